@@ -1,0 +1,47 @@
+# labkit: the two commands a user needs are `make lab` and `make test` (see README.md).
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+BUILD := build
+# Our CPU machines install this torch build from local disk; GPU nodes use environment.yml.
+TORCH_PINS := torch==2.14.1 torchvision==0.29.1
+# DeepSpeed JIT-builds its C++ ops on first use; keep that cache inside the repo's ignored build dir.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(BUILD)/torch_extensions
+export MPLBACKEND := Agg
+PYTEST_ARGS ?=
+
+.PHONY: lab test smoke venv kernel clean-notebooks clean bench slides
+
+$(BIN)/.installed: pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install $(TORCH_PINS)
+	$(BIN)/python -m pip install $(TORCH_PINS) -e '.[test]'
+	$(BIN)/python -m ipykernel install --sys-prefix --name labkit --display-name "labkit (Python 3)"
+	touch $@
+
+venv: $(BIN)/.installed
+
+kernel: venv
+	$(BIN)/python -m ipykernel install --sys-prefix --name labkit --display-name "labkit (Python 3)"
+
+lab: venv
+	$(BIN)/jupyter lab --notebook-dir=notebooks
+
+test: venv
+	mkdir -p $(BUILD)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+smoke: venv
+	$(BIN)/labkit notebooks run --profile smoke --out $(BUILD)/executed
+
+bench: venv
+	for f in bench/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+
+clean-notebooks: venv
+	$(BIN)/labkit notebooks clean notebooks/*.ipynb reservations/*.ipynb
+
+clean:
+	rm -rf $(BUILD) .pytest_cache

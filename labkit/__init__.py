@@ -1,0 +1,1 @@
+"""labkit: helpers for the course."""

@@ -1,0 +1,37 @@
+"""The labkit error hierarchy. Every error says what was wrong and how to fix it (STYLE.md #10)."""
+
+
+class LabkitError(Exception):
+    """Base class: a user-facing error whose message names the bad value and the fix."""
+
+
+class ConfigError(LabkitError, ValueError):
+    """A profile, config field, model or strategy name is unknown or has a bad value."""
+
+
+class LaunchError(LabkitError, RuntimeError):
+    """A multi-process run failed: carries the failing rank and its traceback."""
+
+    def __init__(self, message: str, *, rank: int | None = None, traceback: str = "", output: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.traceback = traceback
+        self.output = output
+
+
+class NotebookError(LabkitError, RuntimeError):
+    """A notebook failed to execute or breaks the hygiene rules."""
+
+
+class GradingError(LabkitError):
+    """A submission cannot be graded (invalid, tampered, missing results)."""
+
+
+class ReservationError(LabkitError):
+    """A lease or policy file is invalid."""
+
+
+def choices_error(kind: str, value: object, valid) -> ConfigError:
+    """`ConfigError` for a name that is not one of `valid`, listing the valid ones."""
+    names = ", ".join(sorted(valid))
+    return ConfigError(f"unknown {kind} {value!r}; valid {kind}s are: {names}")

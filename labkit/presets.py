@@ -1,0 +1,60 @@
+"""Model architecture presets as plain numbers (no torch import).
+
+The memory estimator (`labkit.memory`) and the model builders (`labkit.models`) share these, so the
+name a student types (`--model llama2-7b`) means the same architecture everywhere. Transformer
+presets use Hugging Face `LlamaConfig` field names so `labkit.models` can build them directly.
+Introduced in notebook 01_memory.
+"""
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from labkit.errors import choices_error
+
+#: Llama-family architectures (HF LlamaConfig keys). Sources: the models' published config.json.
+LLM_PRESETS = MappingProxyType({
+    # Tiny smoke model: a real LlamaForCausalLM, seconds per CPU step, 2 layers so it can be
+    # pipelined over 2 ranks and its 4 heads / 2 kv-heads split over tensor-parallel 2.
+    "tiny-llama": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                       tie_word_embeddings=False),
+    "tinyllama-1.1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                           num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                           max_position_embeddings=2048, tie_word_embeddings=False),
+    "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                        max_position_embeddings=131072, tie_word_embeddings=True),
+    "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                      max_position_embeddings=4096, tie_word_embeddings=False),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      max_position_embeddings=8192, tie_word_embeddings=False),
+})
+
+#: GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, d_model 12288, 96 heads, context 2048.
+#: A GPT-style block (4d MLP, learned positions), not Llama: the estimator counts it by formula.
+GPT_PRESETS = MappingProxyType({
+    "gpt3-175b": dict(vocab_size=50257, hidden_size=12288, intermediate_size=4 * 12288,
+                      num_hidden_layers=96, num_attention_heads=96, max_position_embeddings=2048),
+})
+
+#: Vision models (torchvision). `tiny-resnet` is a ResNet with Bottleneck blocks [1,1,1,1] at
+#: 32x32 for smoke runs; `resnet50` is torchvision's (25,557,032 parameters).
+VISION_PRESETS = MappingProxyType({
+    "tiny-resnet": dict(block="bottleneck", layers=(1, 1, 1, 1), num_classes=10, image_size=32),
+    "resnet50": dict(block="bottleneck", layers=(3, 4, 6, 3), num_classes=1000, image_size=224),
+})
+
+ALL_MODELS = tuple(LLM_PRESETS) + tuple(GPT_PRESETS) + tuple(VISION_PRESETS)
+
+
+def model_kind(name: str) -> str:
+    """'llm', 'gpt' or 'vision' for a preset name; ConfigError listing the valid names otherwise."""
+    if name in LLM_PRESETS:
+        return "llm"
+    if name in GPT_PRESETS:
+        return "gpt"
+    if name in VISION_PRESETS:
+        return "vision"
+    raise choices_error("model", name, ALL_MODELS)

@@ -1,0 +1,221 @@
+"""One schema for every measured run, on disk (JSONL) and inside executed notebooks.
+
+Every strategy's run produces one `RunRecord`; rank 0 appends it to `<out>/results.jsonl`.
+Notebooks call `show(record)` / `answer(key, value)`, which put the data into the cell output under
+the MIME type `application/vnd.labkit+json`, so grading reads data, never printed text.
+Introduced in notebook 02_single_gpu.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from labkit.errors import ConfigError
+
+MIME = "application/vnd.labkit+json"
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One measured training run. Per-rank lists have one entry per rank, rank order."""
+
+    strategy: str
+    model: str
+    profile: str
+    world_size: int
+    steps: int
+    losses: list[float]
+    """Per-step training loss, averaged over ranks."""
+    step_time_s: float
+    """Median optimizer-step wall time, warm-up steps excluded."""
+    samples_per_s: float
+    peak_bytes: list[int]
+    """Peak bytes allocated per rank (CUDA allocator on GPU, tensor accounting on CPU)."""
+    param_bytes: list[int]
+    grad_bytes: list[int]
+    optimizer_bytes: list[int]
+    trainable_params: int
+    device: str
+    dtype: str
+    global_batch: int = 0
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    cpu_offload_bytes: list[int] = field(default_factory=list)
+    """Bytes a strategy moved to host memory per rank (offload), 0 where nothing was offloaded."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Strategy-specific facts (config paths, bubble fraction, comm volume, ...)."""
+    versions: dict[str, str] = field(default_factory=dict)
+    timestamp: str = ""
+    schema: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        for name in ("peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes"):
+            values = getattr(self, name)
+            if len(values) != self.world_size:
+                raise ConfigError(f"RunRecord.{name} has {len(values)} entries for world_size="
+                                  f"{self.world_size}; give one value per rank")
+        if not self.timestamp:
+            object.__setattr__(self, "timestamp", _dt.datetime.now(_dt.timezone.utc).isoformat())
+        if not self.versions:
+            object.__setattr__(self, "versions", versions())
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunRecord":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown RunRecord fields {unknown}; is the file from a newer labkit?")
+        return cls(**data)
+
+
+def versions() -> dict[str, str]:
+    """Versions of the stack that shape a measurement (imported lazily, missing ones skipped)."""
+    out = {"python": platform.python_version()}
+    from importlib import metadata
+    for dist in ("torch", "deepspeed", "transformers", "peft", "bitsandbytes", "accelerate", "labkit"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def append(record: RunRecord, out_dir: str | os.PathLike) -> Path:
+    """Append `record` as one JSON line to `out_dir/results.jsonl` (call on rank 0 only)."""
+    path = Path(out_dir) / "results.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record.to_dict(), sort_keys=True) + "\n")
+    return path
+
+
+def load(path: str | os.PathLike) -> list[RunRecord]:
+    """All records of a results.jsonl file (or of `<dir>/results.jsonl`)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "results.jsonl"
+    if not path.exists():
+        raise ConfigError(f"no results at {path}; run `labkit train ... --out {path.parent}` first")
+    records = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(RunRecord.from_dict(json.loads(line)))
+            except (json.JSONDecodeError, TypeError) as exc:
+                raise ConfigError(f"{path}:{lineno} is not a RunRecord ({exc}); remove or fix that line") from exc
+    return records
+
+
+def latest(path: str | os.PathLike, **match: Any) -> RunRecord:
+    """The newest record in `path` whose fields equal `match` (e.g. strategy='ddp')."""
+    found = [r for r in load(path) if all(getattr(r, k) == v for k, v in match.items())]
+    if not found:
+        raise ConfigError(f"no record in {path} matches {match}")
+    return found[-1]
+
+
+# ---------------------------------------------------------------- notebooks
+def _publish(payload: dict[str, Any], text: str) -> None:
+    from IPython.display import display
+    display({MIME: payload, "text/plain": text}, raw=True)
+
+
+def show(record: RunRecord, *, key: str | None = None) -> RunRecord:
+    """Display `record` in a notebook: a short text line plus the full record as data for grading."""
+    payload = {"kind": "run", "key": key or record.strategy, "record": record.to_dict()}
+    _publish(payload, summary_line(record))
+    return record
+
+
+def answer(key: str, value: Any) -> Any:
+    """Record an exercise answer under `key` in the executed notebook (read by `labkit check`)."""
+    json.dumps(value)  # fail here, in the student's cell, if the answer is not JSON data
+    _publish({"kind": "answer", "key": key, "value": value}, f"answer {key} = {value!r}")
+    return value
+
+
+def from_notebook(nb) -> list[dict[str, Any]]:
+    """Every labkit payload in an executed notebook (nbformat node), in cell order, with cell index."""
+    found = []
+    for index, cell in enumerate(nb.cells):
+        for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            data = output.get("data", {})
+            if MIME in data:
+                found.append({"cell": index, **data[MIME]})
+    return found
+
+
+# ---------------------------------------------------------------- comparison
+def _gib(values: Sequence[int]) -> float:
+    return max(values, default=0) / 2**30
+
+
+def summary_line(r: RunRecord) -> str:
+    first, last = (r.losses[0], r.losses[-1]) if r.losses else (float("nan"), float("nan"))
+    return (f"{r.strategy:>14} {r.model} x{r.world_size}: loss {first:.4f} -> {last:.4f}, "
+            f"{r.step_time_s * 1e3:.1f} ms/step, {r.samples_per_s:.1f} samples/s, "
+            f"peak {_gib(r.peak_bytes):.3f} GiB/rank")
+
+
+COLUMNS = ("strategy", "model", "world_size", "final_loss", "step_ms", "samples_per_s",
+           "peak_MiB", "param_MiB", "grad_MiB", "optim_MiB")
+
+
+def table(records: Iterable[RunRecord]) -> list[dict[str, Any]]:
+    """One row per record; memory columns are the max over ranks in MiB (2^20 bytes)."""
+    rows = []
+    for r in records:
+        mib = lambda xs: round(max(xs, default=0) / 2**20, 3)  # noqa: E731
+        rows.append(dict(strategy=r.strategy, model=r.model, world_size=r.world_size,
+                         final_loss=round(r.losses[-1], 5) if r.losses else None,
+                         step_ms=round(r.step_time_s * 1e3, 2), samples_per_s=round(r.samples_per_s, 2),
+                         peak_MiB=mib(r.peak_bytes), param_MiB=mib(r.param_bytes),
+                         grad_MiB=mib(r.grad_bytes), optim_MiB=mib(r.optimizer_bytes)))
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Fixed-width text for `table()` rows."""
+    if not rows:
+        return "(no runs)"
+    cols = list(rows[0])
+    widths = {c: max(len(c), *(len(str(row[c])) for row in rows)) for c in cols}
+    lines = ["  ".join(c.rjust(widths[c]) for c in cols)]
+    lines += ["  ".join(str(row[c]).rjust(widths[c]) for c in cols) for row in rows]
+    return "\n".join(lines)
+
+
+def compare(records: Sequence[RunRecord], *, title: str = "labkit runs"):
+    """(rows, figure): the table and a two-panel figure (loss curves; per-rank memory by kind)."""
+    import matplotlib.pyplot as plt
+
+    rows = table(records)
+    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = []
+    for r in records:
+        label = f"{r.strategy} x{r.world_size}"
+        labels.append(label)
+        ax_loss.plot(range(1, len(r.losses) + 1), r.losses, label=label)
+    ax_loss.set(xlabel="step", ylabel="training loss", title="loss")
+    ax_loss.legend(fontsize=8)
+    bottom = [0.0] * len(records)
+    for kind in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+        heights = [max(getattr(r, kind), default=0) / 2**20 for r in records]
+        ax_mem.bar(labels, heights, bottom=bottom, label=kind.replace("_bytes", "s"))
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax_mem.set(ylabel="MiB per rank (max over ranks)", title="model-state memory per rank")
+    ax_mem.tick_params(axis="x", rotation=30)
+    ax_mem.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return rows, fig
