@@ -1,0 +1,362 @@
+"""Run the course notebooks with papermill, and keep them clean for git.
+
+Running follows d2l / nbdev_test (STYLE.md #9): run everything, keep every executed notebook (also
+a failed one: papermill saves it with the traceback in place), name the failing cell, list the
+failures at the end. Hygiene follows d2l's `outputcheck`: a committed notebook has no outputs, no
+execution counts, exactly one `parameters` cell holding `PROFILE = "smoke"` and the `labkit` kernel.
+Used by `labkit notebooks run|check|clean`, `make smoke`, `make clean-notebooks` and
+tests/test_notebooks.py. Introduced in notebook 00_setup.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from labkit.errors import ConfigError, NotebookError
+from labkit.profiles import get_profile
+
+KERNEL = "labkit"
+DEFAULT_TIMEOUT_S = 600.0
+"""Per-cell limit: a smoke notebook runs in a minute or two, a stuck cell should not hang CI."""
+#: folders whose notebooks may opt out of CI execution (they need credentials, e.g. python-chi).
+EXEMPTABLE_DIRS = ("reservations",)
+#: papermill's own cells: the error banner it adds to a failed notebook, the parameters it injects.
+ERROR_MARKER_TAG = "papermill-error-cell-tag"
+INJECTED_TAG = "injected-parameters"
+#: metadata written by executing or saving a notebook, never by its author.
+TRANSIENT_NB_METADATA = ("papermill", "widgets")
+TRANSIENT_CELL_METADATA = ("execution", "papermill", "ExecuteTime")
+_PROFILE_LINE = re.compile(r"""^PROFILE\s*=\s*(["'])smoke\1\s*(#.*)?$""", re.MULTILINE)
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+@dataclass(frozen=True)
+class NotebookRun:
+    """The outcome of executing one notebook."""
+
+    name: str
+    """Notebook file name without `.ipynb`, e.g. '01_memory'."""
+    status: str
+    """'ok' or 'failed'."""
+    seconds: float
+    output: Path
+    """The executed copy; written in both cases."""
+    cell: int | None = None
+    """0-based index of the failing cell in the SOURCE notebook (as in `nb.cells[i]`)."""
+    exec_count: int | None = None
+    """The failing cell's execution count, the N of 'In [N]' in the executed copy."""
+    ename: str = ""
+    evalue: str = ""
+    traceback: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def describe(self) -> str:
+        """One line naming the notebook, and for a failure the cell, the error and the executed copy."""
+        if self.ok:
+            return f"{self.name}: ok in {self.seconds:.1f} s"
+        where = "before any cell ran" if self.cell is None else f"at cell {self.cell} (In [{self.exec_count}])"
+        copy = f"executed copy with the traceback: {self.output}" if self.output.exists() else "no executed copy"
+        return f"{self.name}: failed {where}: {self.ename}: {self.evalue} ({copy})"
+
+
+# ---------------------------------------------------------------- writing notebooks
+def build_notebook(title: str, cells: Sequence[str | tuple[str, str]], *,
+                   parameters: str = 'PROFILE = "smoke"', metadata: Mapping[str, Any] | None = None):
+    """A notebook that passes `check_hygiene`: cell 0 the markdown `title`, cell 1 the `parameters`
+    cell, then `cells` (a string is a code cell, ("markdown", text) a markdown cell).
+
+    Write it with `nbformat.write(nb, path)`; this is how the course notebooks are generated.
+    """
+    import nbformat
+    from nbformat import v4
+
+    nb = v4.new_notebook(metadata={"kernelspec": {"name": KERNEL, "display_name": "labkit (Python 3)",
+                                                  "language": "python"},
+                                   "language_info": {"name": "python"}, **(metadata or {})})
+    params = v4.new_code_cell(parameters, metadata={"tags": ["parameters"]})
+    body = [v4.new_markdown_cell(c[1]) if isinstance(c, tuple) else v4.new_code_cell(c) for c in cells]
+    if any(isinstance(c, tuple) and c[0] != "markdown" for c in cells):
+        raise ConfigError("build_notebook cells are code strings or ('markdown', text) pairs")
+    nb.cells = [v4.new_markdown_cell(title if title.startswith("#") else f"# {title}"), params, *body]
+    nbformat.validate(nb)
+    return nb
+
+
+# ---------------------------------------------------------------- finding notebooks
+def default_notebook_dir() -> Path:
+    """`./notebooks` when run from a checkout, else the `notebooks/` next to the installed package."""
+    here = Path.cwd() / "notebooks"
+    return here if here.is_dir() else Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def find_notebooks(names: Sequence[str] | None = None, notebook_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Notebook paths for `names` ('01_memory', '01_memory.ipynb', '01' or a path); all when None."""
+    folder = Path(notebook_dir) if notebook_dir is not None else default_notebook_dir()
+    available = sorted(folder.glob("*.ipynb"))
+    if not names:
+        if not available:
+            raise NotebookError(f"no notebooks in {folder}; run from the repository root or pass paths")
+        return available
+    found: list[Path] = []
+    for name in names:
+        path = Path(name)
+        if path.suffix == ".ipynb" and path.is_file():
+            match = [path]
+        else:
+            stem = path.name.removesuffix(".ipynb")
+            match = [p for p in available if p.stem == stem] or [p for p in available if p.stem.startswith(stem + "_")]
+        if len(match) != 1:
+            listed = ", ".join(p.stem for p in available) or "(none)"
+            kind = "ambiguous" if match else "unknown"
+            raise NotebookError(f"{kind} notebook {name!r}; notebooks in {folder}: {listed}")
+        if match[0] not in found:
+            found.append(match[0])
+    return found
+
+
+# ---------------------------------------------------------------- running
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """Set environment variables for the kernel papermill starts (it inherits ours), then restore."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def _tags(cell) -> list[str]:
+    return list(cell.get("metadata", {}).get("tags", []))
+
+
+def _failing_cell(output: Path, exec_index: int | None) -> tuple[int | None, int | None]:
+    """(source cell index, execution count) of the failing cell of an executed copy.
+
+    `exec_index` indexes the executed notebook without papermill's error banners; when it is None
+    (a timeout or a dead kernel) the failing cell is the last one papermill started. The executed
+    copy has one extra cell, papermill's injected parameters; subtracting it gives the source index.
+    """
+    import nbformat
+
+    try:
+        nb = nbformat.read(output, as_version=4)
+    except (OSError, ValueError):
+        return None, None
+    cells = [c for c in nb.cells if ERROR_MARKER_TAG not in _tags(c)]
+    if exec_index is None:
+        started = [i for i, c in enumerate(cells) if c.get("metadata", {}).get("papermill", {}).get("start_time")]
+        if not started:
+            return None, None
+        exec_index = started[-1]
+    injected_before = sum(INJECTED_TAG in _tags(c) for c in cells[:exec_index])
+    source_index = exec_index - injected_before
+    if INJECTED_TAG in _tags(cells[exec_index]):
+        source_index -= 1  # a bad injected parameter is reported at the `parameters` cell above it
+    return max(source_index, 0), cells[exec_index].get("execution_count")
+
+
+def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: str | os.PathLike = "build/executed",
+                 timeout_s: float = DEFAULT_TIMEOUT_S, kernel: str = KERNEL,
+                 parameters: Mapping[str, Any] | None = None) -> NotebookRun:
+    """Execute one notebook with papermill in its own folder, keeping the executed copy in `out_dir`."""
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    src = Path(path).resolve()
+    get_profile(profile)  # an unknown profile fails here, listing the valid ones
+    params = {"PROFILE": profile, **(parameters or {})}
+    if params["PROFILE"] != profile:
+        raise ConfigError(f"parameters PROFILE={params['PROFILE']!r} contradicts profile={profile!r}; "
+                          "choose the profile with `profile` only")
+    out = Path(out_dir).resolve() / src.name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)  # a copy left by an earlier run must not pass for this run's
+    fail: dict[str, Any] = {}
+    start = time.perf_counter()
+    try:
+        with _environ(MPLBACKEND="Agg"):  # no GUI windows from matplotlib in a headless kernel
+            papermill.execute_notebook(str(src), str(out), parameters=params, kernel_name=kernel,
+                                       cwd=str(src.parent), progress_bar=False,
+                                       execution_timeout=timeout_s)
+    except PapermillExecutionError as exc:
+        fail = dict(index=exc.cell_index, ename=exc.ename, evalue=exc.evalue, tb="\n".join(exc.traceback))
+    except Exception as exc:  # noqa: BLE001 - timeouts, dead kernels, unknown kernels: still a failed run
+        fail = dict(index=None, ename=type(exc).__name__, evalue=str(exc).strip().splitlines()[0] if str(exc) else "",
+                    tb=str(exc))
+    seconds = time.perf_counter() - start
+    if not fail:
+        return NotebookRun(src.stem, "ok", seconds, out)
+    cell, count = _failing_cell(out, fail["index"]) if out.exists() else (None, None)
+    return NotebookRun(src.stem, "failed", seconds, out, cell=cell, exec_count=count, ename=fail["ename"],
+                       evalue=_ANSI.sub("", fail["evalue"]), traceback=_ANSI.sub("", fail["tb"]))
+
+
+def run_notebooks(names: Sequence[str] | None = None, *, profile: str = "smoke",
+                  out_dir: str | os.PathLike = "build/executed", timeout_s: float = DEFAULT_TIMEOUT_S,
+                  kernel: str = KERNEL, parameters: Mapping[str, Any] | None = None,
+                  notebook_dir: str | os.PathLike | None = None,
+                  progress: Callable[[str], None] | None = None) -> list[NotebookRun]:
+    """Run every named notebook (all of `notebooks/` by default), never stopping at a failure."""
+    paths = find_notebooks(names, notebook_dir)
+    get_profile(profile)  # fail before the first kernel starts
+    runs = []
+    for path in paths:
+        if progress:
+            progress(f"running {path.stem} (profile {profile}) ...")
+        runs.append(run_notebook(path, profile=profile, out_dir=out_dir, timeout_s=timeout_s,
+                                 kernel=kernel, parameters=parameters))
+        if progress:
+            progress(runs[-1].describe())
+    return runs
+
+
+def format_runs(runs: Sequence[NotebookRun]) -> str:
+    """Fixed-width table: notebook, status, seconds, failing cell and error."""
+    rows = [("notebook", "status", "seconds", "failure")]
+    for r in runs:
+        failure = "" if r.ok else f"cell {r.cell}: {r.ename}: {r.evalue}"[:100]
+        rows.append((r.name, r.status, f"{r.seconds:.1f}", failure))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    return "\n".join(f"{a.ljust(widths[0])}  {b.ljust(widths[1])}  {c.rjust(widths[2])}  {d}".rstrip()
+                     for a, b, c, d in rows)
+
+
+# ---------------------------------------------------------------- hygiene
+def _read(path: str | os.PathLike):
+    import nbformat
+
+    try:
+        return nbformat.read(Path(path), as_version=4)
+    except FileNotFoundError:
+        raise NotebookError(f"no notebook at {path}; check the path") from None
+    except Exception as exc:  # noqa: BLE001 - nbformat raises several JSON / schema errors
+        raise NotebookError(f"{path} is not a readable notebook ({exc}); restore it from git") from exc
+
+
+def ci_exemption(nb) -> str | None:
+    """The reason a notebook gives for not being executed in CI, or None if CI executes it.
+
+    Opting out takes notebook metadata `{"labkit": {"execute_in_ci": false, "reason": "..."}}`.
+    """
+    meta = nb.metadata.get("labkit", {})
+    if meta.get("execute_in_ci", True) is not False:
+        return None
+    return str(meta.get("reason", "")).strip()
+
+
+def executes_in_ci(path: str | os.PathLike) -> bool:
+    """False only for a notebook with a valid CI exemption: in an EXEMPTABLE_DIRS folder, with a reason."""
+    path = Path(path)
+    try:
+        reason = ci_exemption(_read(path))
+    except NotebookError:
+        return True  # unreadable: executing it is where it fails, loudly
+    return not (reason and path.parent.name in EXEMPTABLE_DIRS)
+
+
+def _metadata_problems(path: Path, nb) -> list[str]:
+    problems = []
+    spec = nb.metadata.get("kernelspec", {})
+    if spec.get("name") != KERNEL or spec.get("language", "python") != "python":
+        problems.append(f"kernelspec is {spec.get('name')!r}; set metadata.kernelspec to "
+                        f'{{"name": "{KERNEL}", "display_name": "labkit (Python 3)", "language": "python"}}')
+    transient = [key for key in TRANSIENT_NB_METADATA if key in nb.metadata]
+    if transient:
+        problems.append(f"notebook metadata {transient} comes from an execution; run `labkit notebooks clean {path}`")
+    reason = ci_exemption(nb)
+    if reason is not None and path.parent.name not in EXEMPTABLE_DIRS:
+        problems.append(f"metadata labkit.execute_in_ci=false, but only notebooks in {'/, '.join(EXEMPTABLE_DIRS)}/ "
+                        "may skip CI execution; lab notebooks must run in the smoke profile")
+    elif reason == "":
+        problems.append('metadata labkit.execute_in_ci=false needs a "reason" next to it saying why CI cannot run it')
+    return problems
+
+
+def _cell_problems(path: Path, nb) -> list[str]:
+    problems = []
+    first = nb.cells[0] if nb.cells else None
+    if first is None or first.cell_type != "markdown" or not first.source.lstrip().startswith("#"):
+        problems.append("the first cell must be a markdown title ('# NN Title')")
+    code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    found = {
+        "have outputs": [i for i, c in code if c.get("outputs")],
+        "have execution counts": [i for i, c in code if c.get("execution_count") is not None],
+        "have execution metadata": [i for i, c in enumerate(nb.cells)
+                                    if any(key in c.metadata for key in TRANSIENT_CELL_METADATA)],
+    }
+    problems += [f"cells {cells} {what}; run `labkit notebooks clean {path}`" for what, cells in found.items() if cells]
+    banners = [i for i, c in enumerate(nb.cells) if ERROR_MARKER_TAG in _tags(c)]
+    if banners:
+        problems.append(f"cells {banners} are papermill error banners; run `labkit notebooks clean {path}`")
+    injected = [i for i, c in enumerate(nb.cells) if INJECTED_TAG in _tags(c)]
+    if injected:
+        problems.append(f"cells {injected} hold parameters papermill injected; move what you need into the "
+                        "`parameters` cell and delete them")
+    tagged = [i for i, c in enumerate(nb.cells) if "parameters" in _tags(c)]
+    if len(tagged) != 1:
+        problems.append(f"{len(tagged)} cells are tagged `parameters` {tagged}; tag exactly one code cell")
+    elif nb.cells[tagged[0]].cell_type != "code" or not _PROFILE_LINE.search(nb.cells[tagged[0]].source):
+        problems.append(f'the parameters cell {tagged[0]} must be a code cell with the line PROFILE = "smoke"')
+    return problems
+
+
+def check_hygiene(path: str | os.PathLike) -> list[str]:
+    """Everything that keeps the notebook at `path` from being committed; empty when clean."""
+    import nbformat
+
+    path = Path(path)
+    try:
+        nb = _read(path)
+    except NotebookError as exc:
+        return [str(exc)]
+    problems = []
+    try:
+        nbformat.validate(nb)
+    except nbformat.ValidationError as exc:
+        problems.append(f"invalid nbformat: {exc.message}; open and save it in JupyterLab, or restore it from git")
+    return problems + _metadata_problems(path, nb) + _cell_problems(path, nb)
+
+
+def clean(path: str | os.PathLike) -> list[str]:
+    """Strip outputs, execution counts and execution metadata in place; returns what was stripped.
+
+    Never touches a cell's source or tags, and removes no cell an author wrote: the only cells
+    removed are papermill's error banners (markdown it generates on a failed run).
+    """
+    import nbformat
+
+    path = Path(path)
+    nb = _read(path)
+    stripped: list[str] = []
+    banners = [c for c in nb.cells if ERROR_MARKER_TAG in _tags(c)]
+    if banners:
+        nb.cells = [c for c in nb.cells if ERROR_MARKER_TAG not in _tags(c)]
+        stripped.append(f"{len(banners)} papermill error banner(s)")
+    for key in TRANSIENT_NB_METADATA:
+        if nb.metadata.pop(key, None) is not None:
+            stripped.append(f"notebook metadata {key!r}")
+    counts = {"outputs": 0, "execution counts": 0, "cell execution metadata": 0}
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            counts["outputs"] += bool(cell.get("outputs"))
+            counts["execution counts"] += cell.get("execution_count") is not None
+            cell.outputs, cell.execution_count = [], None
+        for key in TRANSIENT_CELL_METADATA:
+            counts["cell execution metadata"] += cell.metadata.pop(key, None) is not None
+    stripped += [f"{kind} of {n} cell(s)" for kind, n in counts.items() if n]
+    if stripped:
+        nbformat.write(nb, path)
+    return stripped

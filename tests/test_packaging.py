@@ -1,0 +1,169 @@
+"""Packaging: the GPU conda environment, the pyproject, the console script, the Makefile and CI agree."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A conda package name -> the PyPI distribution of pyproject.toml it provides or exists for.
+# Conda names the torch build differently and ships CUDA pieces that pip gets inside wheels; each of
+# them is mapped to the package it serves, so a piece whose package left pyproject fails the test.
+# `python` and `pip` are not mapped: they are checked for what they are (see the tests below).
+CONDA_TO_PYPI = {
+    "pytorch": "torch",            # conda's name for torch
+    "pytorch-gpu": "torch",        # conda-forge metapackage selecting the CUDA build of pytorch
+    "pytorch-cuda": "torch",       # the pytorch channel's CUDA selector for pytorch
+    "cuda-version": "torch",       # pins the CUDA version the torch build is compiled against
+    "cuda-nvcc": "deepspeed",      # nvcc, for the CUDA ops DeepSpeed JIT-compiles on first use
+    "cuda-cudart-dev": "deepspeed",  # CUDA runtime headers for the same JIT builds
+}
+# `-e .` in the pip section installs labkit itself (and so the `labkit` command) on the GPU nodes.
+PROJECT_ITSELF = "-e ."
+INSTALLERS = {"pip"}  # the installer conda needs for the `pip:` section, not a project dependency
+
+
+def normalize(name: str) -> str:
+    """PEP 503 name normalisation: Foo_Bar and foo-bar are one package."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def conda_name(spec: str) -> str:
+    """The package name of a conda match spec ('pytorch-gpu>=2.6', 'python=3.11', 'cuda-nvcc')."""
+    match = re.match(r"\s*([A-Za-z0-9_.\-]+)", spec)
+    assert match, f"environment.yml: cannot read the conda spec {spec!r}"
+    return normalize(match.group(1))
+
+
+@pytest.fixture(scope="module")
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+@pytest.fixture(scope="module")
+def env() -> dict:
+    data = yaml.safe_load((ROOT / "environment.yml").read_text())
+    assert isinstance(data, dict) and data.get("dependencies"), "environment.yml needs a dependencies list"
+    return data
+
+
+def split_env(env: dict) -> tuple[list[str], list[str]]:
+    """(conda specs, pip lines) of environment.yml."""
+    conda, pip = [], []
+    for item in env["dependencies"]:
+        if isinstance(item, dict):
+            assert set(item) == {"pip"}, f"environment.yml: unknown dependency section {sorted(item)}"
+            pip += item["pip"]
+        else:
+            conda.append(str(item))
+    return conda, pip
+
+
+def env_packages(env: dict) -> list[str]:
+    """PyPI names environment.yml installs, conda names mapped through CONDA_TO_PYPI (with repeats)."""
+    conda, pip = split_env(env)
+    names = []
+    for spec in conda:
+        name = conda_name(spec)
+        if name == "python" or name in INSTALLERS:
+            continue  # checked by test_env_python_satisfies_requires_python / test_env_has_pip_for_its_pip_section
+        names.append(normalize(CONDA_TO_PYPI.get(name, name)))
+    for line in pip:
+        line = line.split("#")[0].strip()
+        if line == PROJECT_ITSELF:
+            continue  # checked by test_env_installs_labkit_itself
+        assert not line.startswith("-"), f"environment.yml pip option {line!r} is not understood by this test"
+        names.append(normalize(Requirement(line).name))
+    return names
+
+
+def test_environment_yml_and_pyproject_name_the_same_packages(env, pyproject):
+    declared = {normalize(Requirement(r).name) for r in pyproject["project"]["dependencies"]}
+    installed = set(env_packages(env))
+    assert sorted(declared - installed) == [], "in pyproject.toml but not in environment.yml"
+    assert sorted(installed - declared) == [], "in environment.yml but not in pyproject.toml (or CONDA_TO_PYPI)"
+
+
+def test_environment_yml_lists_each_pip_package_once(env):
+    conda, pip = split_env(env)
+    pip_names = [normalize(Requirement(p.split("#")[0]).name) for p in pip if not p.startswith("-")]
+    conda_names = [conda_name(c) for c in conda]
+    assert sorted({n for n in pip_names if pip_names.count(n) > 1}) == []
+    assert sorted(set(pip_names) & set(conda_names)) == [], "installed by both conda and pip"
+
+
+def test_environment_yml_uses_a_cuda_build_of_torch(env):
+    conda, _ = split_env(env)
+    names = {conda_name(c) for c in conda}
+    assert names & {"pytorch-gpu", "pytorch-cuda"}, "torch must be the CUDA build on the GPU nodes"
+    assert "cuda-version" in names, "pin the CUDA version so every CUDA package agrees"
+
+
+def test_env_python_satisfies_requires_python(env, pyproject):
+    conda, _ = split_env(env)
+    pythons = [c for c in conda if conda_name(c) == "python"]
+    assert len(pythons) == 1, "environment.yml must pin python once, e.g. python=3.11"
+    version = re.search(r"(\d+\.\d+)", pythons[0]).group(1)
+    assert version in SpecifierSet(pyproject["project"]["requires-python"])
+
+
+def test_env_has_pip_for_its_pip_section(env):
+    conda, pip = split_env(env)
+    assert pip, "environment.yml installs the PyPI packages in a pip: section"
+    assert "pip" in {conda_name(c) for c in conda}, "list pip itself, or conda warns and may use another pip"
+
+
+def test_env_installs_labkit_itself(env):
+    _, pip = split_env(env)
+    assert PROJECT_ITSELF in [p.split("#")[0].strip() for p in pip]
+
+
+def test_console_script_labkit(pyproject):
+    assert pyproject["project"]["scripts"]["labkit"] == "labkit.cli:main"
+    (entry,) = [e for e in metadata.entry_points(group="console_scripts") if e.name == "labkit"]
+    assert entry.value == "labkit.cli:main" and callable(entry.load())
+    script = Path(sys.executable).parent / "labkit"
+    assert script.is_file(), f"{script} missing: reinstall with `make venv`"
+    result = subprocess.run([str(script), "notebooks", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "run" in result.stdout and "clean" in result.stdout
+
+
+def makefile_recipes() -> dict[str, str]:
+    """target -> its recipe text, for the plain `target: deps` rules of the Makefile."""
+    recipes: dict[str, str] = {}
+    current = None
+    for line in (ROOT / "Makefile").read_text().splitlines():
+        rule = re.match(r"^([A-Za-z0-9_.\-]+)\s*:(?!=)", line)
+        if rule:
+            current = rule.group(1)
+            recipes[current] = ""
+        elif line.startswith("\t") and current:
+            recipes[current] += line.strip() + "\n"
+        elif line.strip() and not line.startswith("#"):
+            current = None
+    return recipes
+
+
+def test_makefile_has_the_user_targets():
+    recipes = makefile_recipes()
+    assert sorted({"lab", "test", "smoke", "clean-notebooks"} - set(recipes)) == []
+    assert "pytest" in recipes["test"]
+    assert "labkit notebooks run --profile smoke --out $(BUILD)/executed" in recipes["smoke"]
+    assert "labkit notebooks clean" in recipes["clean-notebooks"]
+    assert "jupyter lab" in recipes["lab"]
+
+
+def test_ci_runs_make_test():
+    ci = ROOT / ".ci" / "run"
+    assert ci.is_file(), ".ci/run is missing"
+    commands = [line.split("#")[0] for line in ci.read_text().splitlines()]
+    assert any(re.search(r"(^|[\s;&|])make\s+(.*\s)?test(\s|$)", c) for c in commands), ".ci/run must call `make test`"
