@@ -1,0 +1,166 @@
+"""What this machine has, and which labkit profiles it can run (`labkit env`).
+
+`collect()` gathers facts (versions, devices, cores, RAM) as plain JSON data; `profile_support(facts)`
+is a pure function of those facts, so the GPU branches are testable on a CPU machine. Package
+versions come from `importlib.metadata`: importing DeepSpeed would JIT-build ops, importing
+bitsandbytes prints warnings. Introduced in notebook 00_setup.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from importlib import metadata
+from typing import Any
+
+from labkit.profiles import PROFILES, Profile
+
+#: distribution name -> the command that installs it (everything is in pyproject.toml: `make venv`).
+PACKAGES = {
+    "torch": "make venv  (or: pip install torch)",
+    "torchvision": "make venv  (or: pip install torchvision)",
+    "deepspeed": "pip install deepspeed",
+    "bitsandbytes": "pip install bitsandbytes",
+    "transformers": "pip install transformers",
+    "peft": "pip install peft",
+    "accelerate": "pip install accelerate",
+    "papermill": "pip install papermill",
+    "jupyterlab": "pip install jupyterlab",
+}
+#: A device must report at least this share of a profile's nominal GB ("80GB" cards show ~79-85 GB).
+MEMORY_TOLERANCE = 0.9
+#: bf16 tensor cores arrive with compute capability 8.0 (Ampere); V100 is 7.0.
+BF16_CAPABILITY = (8, 0)
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed version of each course package, None when it is missing (nothing is imported)."""
+    out: dict[str, str | None] = {}
+    for dist in PACKAGES:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def torch_facts() -> dict[str, Any]:
+    """torch build, distributed backends and CUDA devices; {'installed': False} without torch."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return {"installed": False}
+    facts: dict[str, Any] = {
+        "installed": True, "version": torch.__version__, "cuda_build": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(), "distributed": dist.is_available(),
+        "gloo": dist.is_available() and dist.is_gloo_available(),
+        "nccl_backend": dist.is_available() and dist.is_nccl_available(), "nccl": None, "devices": [],
+    }
+    if torch.version.cuda:
+        try:
+            facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001 - a CUDA build without its NCCL library
+            facts["nccl"] = None
+    if facts["cuda_available"]:
+        facts["devices"] = [_device(torch, i) for i in range(torch.cuda.device_count())]
+    return facts
+
+
+def _device(torch, index: int) -> dict[str, Any]:
+    props = torch.cuda.get_device_properties(index)
+    capability = [props.major, props.minor]
+    return {"index": index, "name": props.name, "memory_gb": round(props.total_memory / 1e9, 1),
+            "capability": capability, "bf16": tuple(capability) >= BF16_CAPABILITY}
+
+
+def host_facts() -> dict[str, Any]:
+    import psutil
+
+    return {"platform": platform.platform(), "cpu_cores": os.cpu_count() or 1,
+            "ram_gb": round(psutil.virtual_memory().total / 1e9, 1)}
+
+
+def collect() -> dict[str, Any]:
+    """Everything `labkit env` reports, as JSON-ready data."""
+    facts: dict[str, Any] = {
+        "python": {"version": platform.python_version(), "executable": sys.executable},
+        "packages": package_versions(), "torch": torch_facts(), "host": host_facts(),
+    }
+    facts["profiles"] = profile_support(facts)
+    facts["fixes"] = fixes(facts)
+    return facts
+
+
+def profile_support(facts: dict[str, Any], profiles=PROFILES) -> dict[str, dict[str, Any]]:
+    """For each profile: {'ok': bool, 'missing': [reason -> fix, ...]} from `collect()`-style facts."""
+    return {name: _check_profile(make(), facts.get("torch", {})) for name, make in profiles.items()}
+
+
+def _check_profile(profile: Profile, torch: dict[str, Any]) -> dict[str, Any]:
+    missing: list[str] = []
+    if not torch.get("installed"):
+        missing.append("torch is not installed -> make venv")
+    elif profile.device == "cpu":
+        if not torch.get("gloo"):
+            missing.append("torch.distributed has no gloo backend -> reinstall torch: make venv")
+    else:
+        missing += _gpu_gaps(profile, torch)
+    return {"ok": not missing, "missing": missing}
+
+
+def _gpu_gaps(profile: Profile, torch: dict[str, Any]) -> list[str]:
+    devices = torch.get("devices") or []
+    if not devices:
+        return ["no CUDA device found -> use --profile smoke"]
+    gaps = []
+    if profile.backend == "nccl" and not torch.get("nccl_backend"):
+        gaps.append("torch has no NCCL backend -> install a CUDA build of torch (environment.yml)")
+    big = [d for d in devices if d["memory_gb"] >= MEMORY_TOLERANCE * profile.gpu_memory_gb]
+    if len(big) < profile.nproc:
+        gaps.append(f"needs {profile.nproc} GPU(s) with >= {profile.gpu_memory_gb:g} GB, found {len(big)} "
+                    f"-> use a profile with fewer or smaller GPUs, or reserve a bigger node")
+    chosen = (big or devices)[:profile.nproc]
+    if profile.dtype == "bfloat16" and not all(d["bf16"] for d in chosen):
+        gaps.append("needs bfloat16 (compute capability >= 8.0) -> use --profile v100x4 (fp16)")
+    return gaps
+
+
+def fixes(facts: dict[str, Any]) -> list[str]:
+    """One line per missing thing: what is missing -> the command that fixes it."""
+    out = [f"{dist} is not installed -> {cmd}" for dist, cmd in PACKAGES.items()
+           if facts.get("packages", {}).get(dist) is None]
+    torch = facts.get("torch", {})
+    if torch.get("installed") and not torch.get("devices"):
+        out.append("no GPU: only the smoke profile runs here -> use --profile smoke")
+    return out
+
+
+def runnable(facts: dict[str, Any]) -> list[str]:
+    """Names of the profiles this machine can run."""
+    return [name for name, info in facts["profiles"].items() if info["ok"]]
+
+
+def format_report(facts: dict[str, Any]) -> str:
+    """The human-readable `labkit env` text."""
+    torch, host, pkgs = facts["torch"], facts["host"], facts["packages"]
+    lines = [f"python       {facts['python']['version']}  ({facts['python']['executable']})"]
+    for dist, version in pkgs.items():
+        lines.append(f"{dist:<12} {version or 'MISSING'}")
+    if torch.get("installed"):
+        lines.append(f"cuda build   {torch['cuda_build'] or 'none (CPU-only torch)'}; NCCL {torch['nccl'] or '-'}; "
+                     f"gloo {'yes' if torch['gloo'] else 'no'}")
+    lines.append(f"cpu          {host['cpu_cores']} cores, {host['ram_gb']:g} GB RAM ({host['platform']})")
+    if torch.get("devices"):
+        for d in torch["devices"]:
+            lines.append(f"gpu {d['index']:<8} {d['name']}, {d['memory_gb']:g} GB, capability "
+                         f"{d['capability'][0]}.{d['capability'][1]}, bf16 {'yes' if d['bf16'] else 'no'}")
+    else:
+        lines.append("gpu          no GPU: only the smoke profile runs here")
+    lines.append("profiles")
+    for name, info in facts["profiles"].items():
+        lines.append(f"  {name:<10} {'yes' if info['ok'] else 'no: ' + '; '.join(info['missing'])}")
+    if facts["fixes"]:
+        lines.append("to fix")
+        lines += [f"  {line}" for line in facts["fixes"]]
+    return "\n".join(lines)

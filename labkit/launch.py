@@ -1,0 +1,351 @@
+"""Run a Python module on N ranks under torchrun, from a terminal or a notebook cell.
+
+`run("labkit.train", [...], nproc=2)` starts `python -m torch.distributed.run ... -m labkit.train ...`
+and gives back rank 0's output (streamed live while it runs, so a notebook cell shows it) or raises
+`LaunchError` naming the rank that failed first and carrying its traceback. It never hangs: torchrun
+stops the surviving ranks when one fails, and a wall-clock timeout (or Ctrl-C / the notebook's
+interrupt button) kills the whole process tree, SIGTERM first and SIGKILL after a grace period.
+
+Rank logs: torchrun's `--log-dir` + `--redirects 3` writes `<log_dir>/<run_id>_*/attempt_0/<local_rank>/`
+`{stdout.log, stderr.log, error.json}`; `error.json` exists when the entry point is decorated with
+`torch.distributed.elastic.multiprocessing.errors.record` (the official route, see
+https://docs.pytorch.org/docs/stable/elastic/errors.html); otherwise the traceback is read from the
+rank's stderr log. `LaunchResult.log_dir` is the `attempt_0` folder (one sub-folder per local rank).
+Introduced in notebook 03_ddp.
+"""
+from __future__ import annotations
+
+import codecs
+import glob
+import hashlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from labkit.errors import ConfigError, LaunchError
+
+#: Seconds between SIGTERM and SIGKILL when a run is stopped (timeout, interrupt).
+KILL_GRACE_S = 5.0
+_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """A finished run: torchrun's exit code, rank 0's output (stdout and stderr) and the rank-log folder."""
+
+    returncode: int
+    output: str
+    log_dir: str
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on `host` a moment ago (the OS picks it; tiny race, as in torchrun)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_command(module: str, args: list[str], *, nproc: int, nnodes: int = 1, node_rank: int = 0,
+                     rdzv_endpoint: str | None = None, log_dir: str, run_id: str,
+                     port: int | None = None) -> list[str]:
+    """The torchrun argv for `run` (pure: no process is started)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--nnodes", str(nnodes), "--max-restarts", "0", "--rdzv-id", run_id,
+           "--log-dir", log_dir, "--redirects", "3"]
+    if nnodes == 1 and rdzv_endpoint is None:
+        # Static rendezvous on loopback: no c10d rendezvous round trips for a one-node job.
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port or free_port())]
+    else:
+        # Static, not c10d: c10d ignores --node-rank and orders nodes by (host, pid), so global rank 0
+        # could land on any node; labkit streams and writes results from node 0, so node 0 must hold
+        # ranks 0..nproc-1. Node 0 hosts the TCPStore at the endpoint (the head node in the job files).
+        cmd += ["--node-rank", str(node_rank), "--rdzv-backend", "static", "--rdzv-endpoint", str(rdzv_endpoint)]
+    return cmd + ["-m", module, *map(str, args)]
+
+
+def _run_id(module: str, nnodes: int, rdzv_endpoint: str | None) -> str:
+    """Rendezvous id (names the log folder): random on one node; on several, equal on every node.
+
+    Only what every node agrees on goes in: the args may differ per node (e.g. a per-node run id).
+    """
+    if nnodes == 1:
+        return f"labkit-{uuid.uuid4().hex[:12]}"
+    key = "\0".join([module, str(nnodes), str(rdzv_endpoint)])
+    return f"labkit-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
+def _check_args(module: str, nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
+                timeout_s: float) -> None:
+    for name, value in (("nproc", nproc), ("nnodes", nnodes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"launch {name}={value!r}; it must be a positive integer")
+    if not 0 <= node_rank < nnodes:
+        raise ConfigError(f"launch node_rank={node_rank!r}; it must be in 0..{nnodes - 1} for nnodes={nnodes}")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise ConfigError(f"launch nnodes={nnodes} needs rdzv_endpoint='<head-node>:29500' "
+                          "(the same on every node)")
+    if not timeout_s > 0:
+        raise ConfigError(f"launch timeout_s={timeout_s!r}; it must be > 0 seconds")
+    if not module or module.endswith(".py"):
+        raise ConfigError(f"launch module={module!r}; give a module name as for `python -m`, e.g. 'labkit.train'")
+
+
+def _child_env(env: dict | None) -> dict[str, str]:
+    child = dict(os.environ)
+    child.update({k: str(v) for k, v in (env or {}).items()})
+    # One intra-op thread per rank unless asked otherwise: N ranks x all cores oversubscribes the CPU.
+    child.setdefault("OMP_NUM_THREADS", "1")
+    # Ranks write to log files, which Python block-buffers; unbuffered output makes the live view live.
+    child.setdefault("PYTHONUNBUFFERED", "1")
+    return child
+
+
+class _Reader(threading.Thread):
+    """Drains a pipe (torchrun's own stdout+stderr) into memory so torchrun never blocks on it."""
+
+    def __init__(self, pipe):
+        super().__init__(daemon=True)
+        self.pipe, self.chunks = pipe, []
+
+    def run(self) -> None:
+        for chunk in iter(lambda: self.pipe.read1(65536), b""):
+            self.chunks.append(chunk)
+
+    @property
+    def text(self) -> str:
+        return b"".join(self.chunks).decode("utf-8", "replace")
+
+
+class _RankTail(threading.Thread):
+    """Follows one rank's stdout.log/stderr.log as torchrun writes them; echoes raw chunks live.
+
+    Raw bytes (not lines) are forwarded, so tqdm's carriage-return redraws work in a terminal and
+    in a Jupyter cell. sys.stdout is looked up at write time: in a notebook it is the cell's stream.
+    """
+
+    def __init__(self, pattern: str, echo: bool):
+        super().__init__(daemon=True)
+        self.pattern, self.echo = pattern, echo
+        self.done = threading.Event()
+        self.parts: list[str] = []
+
+    def run(self) -> None:
+        folder = self._wait_for_folder()
+        if folder is None:
+            return
+        streams = [(folder / "stdout.log", "stdout"), (folder / "stderr.log", "stderr")]
+        handles: dict[str, object] = {}
+        decoders = {name: codecs.getincrementaldecoder("utf-8")("replace") for _, name in streams}
+        try:
+            while True:
+                finished = self.done.is_set()  # read once more after the run ended, then stop
+                got = sum(self._pump(path, name, handles, decoders[name]) for path, name in streams)
+                if finished and not got:
+                    return
+                if not got:
+                    time.sleep(_POLL_S)
+        finally:
+            for fh in handles.values():
+                fh.close()
+
+    def _wait_for_folder(self) -> Path | None:
+        while True:
+            found = glob.glob(self.pattern)
+            if found:
+                return Path(found[0])
+            if self.done.is_set():
+                return None
+            time.sleep(_POLL_S)
+
+    def _pump(self, path: Path, name: str, handles: dict, decoder) -> int:
+        if name not in handles:
+            if not path.exists():
+                return 0
+            handles[name] = path.open("rb")
+        data = handles[name].read(65536)
+        if data:
+            text = decoder.decode(data)
+            self.parts.append(text)
+            if self.echo:
+                stream = getattr(sys, name)
+                stream.write(text)
+                stream.flush()
+        return len(data)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def _kill_tree(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
+    """SIGTERM torchrun and every descendant (ranks run in their own sessions), SIGKILL what survives."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(proc.pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    _signal_groups(procs, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    _signal_groups(alive, signal.SIGKILL)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _signal_groups(procs, sig) -> None:
+    """Signal each process group of `procs` (so grandchildren such as data loaders go too)."""
+    own = os.getpgrp()
+    for p in procs:
+        try:
+            pgid = os.getpgid(p.pid)
+            if pgid != own:
+                os.killpg(pgid, sig)
+            else:
+                os.kill(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float) -> int | None:
+    """torchrun's exit code, or None when `timeout_s` passed first (the process is left running)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return proc.wait(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                return None
+
+
+def run(module: str, args: list[str], *, nproc: int, timeout_s: float = 600, env: dict | None = None,
+        nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None, log_dir: str | None = None,
+        stream: bool = True) -> LaunchResult:
+    """Run `python -m module *args` on `nproc` ranks per node under torchrun.
+
+    Streams local rank 0's output live (when `stream` and this is node 0), returns a `LaunchResult`
+    on success, raises `LaunchError` (with `.rank`, `.traceback`, `.output`) when a rank fails or the
+    run exceeds `timeout_s`; in every case no rank is left running on this node.
+    """
+    _check_args(module, nproc, nnodes, node_rank, rdzv_endpoint, timeout_s)
+    root = os.path.abspath(log_dir) if log_dir else tempfile.mkdtemp(prefix="labkit-launch-")
+    if nnodes > 1:  # nodes may share a file system and run ids match across nodes: one folder per node
+        root = os.path.join(root, f"node{node_rank}")
+    os.makedirs(root, exist_ok=True)
+    run_id = _run_id(module, nnodes, rdzv_endpoint)
+    cmd = torchrun_command(module, list(args), nproc=nproc, nnodes=nnodes, node_rank=node_rank,
+                           rdzv_endpoint=rdzv_endpoint, log_dir=root, run_id=run_id)
+    pattern = os.path.join(glob.escape(root), f"{run_id}_*", "attempt_*", "0")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=_child_env(env), start_new_session=True)
+    reader, tail = _Reader(proc.stdout), _RankTail(pattern, echo=stream and node_rank == 0)
+    reader.start()
+    tail.start()
+    try:
+        code = _wait(proc, timeout_s)
+        if code is None:
+            _kill_tree(proc)
+    except BaseException:  # KeyboardInterrupt in a notebook: never leave ranks behind
+        _kill_tree(proc)
+        raise
+    finally:
+        tail.done.set()
+        tail.join(timeout=10)
+        reader.join(timeout=10)
+        proc.stdout.close()
+    attempt = _attempt_dir(root, run_id)
+    if code is None:
+        raise LaunchError(f"{module} did not finish within timeout_s={timeout_s:g} s on {nproc} rank(s); all ranks "
+                          f"were stopped. Raise timeout_s (or the profile's timeout_s) if the run needs longer, "
+                          f"or look for a rank stuck in a collective in the logs under {attempt or root}",
+                          output=tail.text)
+    if code != 0:
+        raise _failure(module, code, attempt, reader.text, tail.text, nproc=nproc, node_rank=node_rank)
+    return LaunchResult(returncode=code, output=tail.text, log_dir=attempt or root)
+
+
+def _attempt_dir(root: str, run_id: str) -> str | None:
+    found = sorted(glob.glob(os.path.join(glob.escape(root), f"{run_id}_*", "attempt_*")))
+    return found[-1] if found else None
+
+
+# ---------------------------------------------------------------- failure reports
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)", re.S)
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?", re.M)  # torch prefixes uncaught-exception lines
+
+
+def _failure(module: str, code: int, attempt: str | None, launcher: str, output: str, *,
+             nproc: int, node_rank: int) -> LaunchError:
+    """A LaunchError for the rank that failed first, with that rank's traceback."""
+    rank, local = _root_cause(launcher, attempt, nproc, node_rank)
+    trace = _rank_traceback(attempt, local) if local is not None else ""
+    if rank is None:
+        tail = "\n".join(launcher.strip().splitlines()[-20:])
+        return LaunchError(f"{module} failed before any rank reported an error (torchrun exit code {code}):\n{tail}",
+                           traceback=trace, output=output)
+    last = trace.strip().splitlines()[-1] if trace.strip() else f"exit code {code}, no traceback in its logs"
+    where = os.path.join(attempt, str(local)) if attempt else "(no log folder)"
+    message = f"{module} failed on rank {rank}: {last}\nrank {rank} logs: {where}"
+    if trace:
+        label = "traceback" if trace.startswith("Traceback") else "stderr (last lines)"
+        message += f"\n--- rank {rank} {label} ---\n{trace.rstrip()}"
+    return LaunchError(message, rank=rank, traceback=trace, output=output)
+
+
+def _root_cause(launcher: str, attempt: str | None, nproc: int, node_rank: int) -> tuple[int | None, int | None]:
+    """(global rank, local rank) of the first failure: torchrun's 'Root Cause' summary, else the logs."""
+    match = _ROOT_CAUSE.search(launcher)
+    if match:
+        return int(match.group(1)), int(match.group(2))
+    # No summary (e.g. torchrun itself was killed): the rank whose error was written first.
+    candidates = []
+    for local in range(nproc):
+        folder = Path(attempt or "/nonexistent") / str(local)
+        for name in ("error.json", "stderr.log"):
+            path = folder / name
+            if path.exists() and (name == "error.json" or "Traceback" in path.read_text(errors="replace")):
+                candidates.append((path.stat().st_mtime_ns, local))
+                break
+    if not candidates:
+        return None, None
+    local = min(candidates)[1]
+    return node_rank * nproc + local, local
+
+
+def _rank_traceback(attempt: str | None, local: int) -> str:
+    """The rank's Python traceback: error.json's py_callstack if @record wrote one, else its stderr log."""
+    if attempt is None:
+        return ""
+    folder = Path(attempt) / str(local)
+    error_file = folder / "error.json"
+    if error_file.exists():
+        try:
+            message = json.loads(error_file.read_text())["message"]
+            if isinstance(message, dict) and message.get("extraInfo", {}).get("py_callstack"):
+                return message["extraInfo"]["py_callstack"]
+        except (ValueError, KeyError, TypeError):
+            pass  # a half-written or foreign error file: fall back to the stderr log
+    stderr = folder / "stderr.log"
+    if not stderr.exists():
+        return ""
+    text = _RANK_PREFIX.sub("", stderr.read_text(errors="replace"))
+    start = text.find("Traceback (most recent call last)")
+    return text[start:] if start >= 0 else "\n".join(text.rstrip().splitlines()[-30:])

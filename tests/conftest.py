@@ -1,0 +1,37 @@
+"""Shared test fixtures. Kept small: anything used by one test file lives in that file."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests run ranks and kernels on a shared 2-core machine: one thread each, no GUI backend.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+TESTS_DIR = Path(__file__).resolve().parent
+KERNEL = "labkit"
+
+
+@pytest.fixture
+def run_cells(tmp_path):
+    """Execute code cells in a fresh notebook on the `labkit` kernel; returns the executed notebook."""
+    import nbclient
+    import nbformat
+
+    def execute(*sources: str, timeout: int = 120):
+        nb = nbformat.v4.new_notebook()
+        nb.metadata["kernelspec"] = {"name": KERNEL, "display_name": "labkit (Python 3)", "language": "python"}
+        nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
+        client = nbclient.NotebookClient(nb, kernel_name=KERNEL, timeout=timeout,
+                                         resources={"metadata": {"path": str(tmp_path)}})
+        client.execute()
+        return nb
+
+    return execute
+
+
+def stream_text(cell) -> str:
+    """All stdout/stderr text a notebook cell printed."""
+    return "".join(out.get("text", "") for out in cell.get("outputs", []) if out.get("output_type") == "stream")

@@ -1,0 +1,265 @@
+"""labkit.launch: real 2-rank gloo jobs under torchrun (targets in tests/_launch_targets.py)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import TESTS_DIR, stream_text
+from labkit import launch
+from labkit.errors import ConfigError, LaunchError
+
+TARGET = "_launch_targets"
+
+
+@pytest.fixture
+def pid_dir(tmp_path):
+    path = tmp_path / "pids"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def log_dir(tmp_path):
+    return str(tmp_path / "logs")  # not the default temporary folder: tests leave nothing in /tmp
+
+
+@pytest.fixture
+def target_env(pid_dir):
+    """Environment for the ranks: the targets importable, each rank writes its pid to `pid_dir`."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])),
+            "LABKIT_TEST_PID_DIR": str(pid_dir)}
+
+
+def rank_pids(pid_dir: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted(pid_dir.glob("rank*.pid"))]
+
+
+def running(pid: int) -> bool:
+    """True if `pid` is a live process (a zombie waiting for a reaper counts as dead)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def assert_nothing_left(pid_dir: Path) -> None:
+    pids = rank_pids(pid_dir)
+    assert len(pids) == 2, "both ranks should have started and written their pid"
+    assert [p for p in pids if running(p)] == []
+    assert [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE] == []
+
+
+# ---------------------------------------------------------------- pure parts
+def test_single_node_command_uses_loopback_static_rendezvous():
+    cmd = launch.torchrun_command("pkg.mod", ["--x", 1], nproc=2, log_dir="/tmp/l", run_id="r", port=12345)
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    joined = " ".join(cmd)
+    assert "--nproc-per-node 2" in joined and "--master-addr 127.0.0.1 --master-port 12345" in joined
+    assert "--log-dir /tmp/l --redirects 3" in joined and "--rdzv-backend" not in joined
+    assert cmd[-4:] == ["-m", "pkg.mod", "--x", "1"]
+
+
+def test_multi_node_command_passes_rendezvous_through():
+    cmd = " ".join(launch.torchrun_command("m", [], nproc=4, nnodes=2, node_rank=1,
+                                           rdzv_endpoint="head:29500", log_dir="/tmp/l", run_id="r"))
+    assert "--nnodes 2 " in cmd and "--node-rank 1 --rdzv-backend static --rdzv-endpoint head:29500" in cmd
+    assert "--master-port" not in cmd
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(nproc=0), "nproc=0"),
+    (dict(nproc=2, nnodes=2), "rdzv_endpoint"),
+    (dict(nproc=2, timeout_s=0), "timeout_s=0"),
+    (dict(nproc=2, nnodes=2, node_rank=2, rdzv_endpoint="h:1"), "node_rank=2"),
+])
+def test_bad_arguments_are_config_errors(kwargs, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        launch.run("m", [], **kwargs)
+
+
+def test_free_port_can_be_bound():
+    import socket
+
+    port = launch.free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+# ---------------------------------------------------------------- real runs
+@pytest.mark.slow
+def test_success_returns_and_streams_rank0_output(target_env, pid_dir, log_dir, capsys):
+    result = launch.run(TARGET, ["ok"], nproc=2, env=target_env, log_dir=log_dir, timeout_s=120)
+    assert result.returncode == 0
+    assert "rank 0 of 2: sum=3" in result.output
+    assert "rank 1" not in result.output  # only rank 0 is shown ...
+    assert "rank 1 of 2: sum=3" in (Path(result.log_dir) / "1" / "stdout.log").read_text()  # ... all are logged
+    assert "rank 0 of 2: sum=3" in capsys.readouterr().out
+    assert_nothing_left(pid_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["raise", "raise_record"])
+def test_failing_rank_stops_the_job_and_reports_its_traceback(mode, target_env, pid_dir, log_dir):
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch.run(TARGET, [mode], nproc=2, env=target_env, timeout_s=120, stream=False, log_dir=log_dir)
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert err.rank == 1
+    assert "rank 1" in str(err) and "rank 1 exploded on purpose" in str(err)
+    assert "Traceback" in err.traceback and "ValueError: rank 1 exploded on purpose" in err.traceback
+    assert "Connection closed" not in err.traceback  # rank 0's follow-on error is not the one reported
+    assert elapsed < 60, f"a failed rank must stop the job well before the 120 s timeout (took {elapsed:.0f} s)"
+    assert_nothing_left(pid_dir)
+
+
+@pytest.mark.slow
+def test_timeout_kills_every_rank(target_env, pid_dir, log_dir):
+    # rank 1 ignores SIGTERM and sleeps; rank 0 waits for it in a barrier: only the timeout ends this.
+    with pytest.raises(LaunchError, match=r"timeout_s=30") as info:
+        launch.run(TARGET, ["hang"], nproc=2, env=target_env, timeout_s=30, stream=False, log_dir=log_dir)
+    assert info.value.rank is None
+    assert "rank 0 of 2: sum=3" in info.value.output
+    assert_nothing_left(pid_dir)
+
+
+@pytest.mark.slow
+def test_keyboard_interrupt_kills_every_rank(target_env, pid_dir, log_dir):
+    code = textwrap.dedent(f"""
+        from labkit import launch
+        try:
+            launch.run({TARGET!r}, ["hang"], nproc=2, timeout_s=600, log_dir={log_dir!r})
+        except KeyboardInterrupt:
+            print("interrupted")
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **target_env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while len(rank_pids(pid_dir)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)  # what Jupyter's interrupt button sends to the kernel
+    out, _ = proc.communicate(timeout=60)
+    assert "interrupted" in out
+    assert_nothing_left(pid_dir)
+
+
+@pytest.mark.slow
+def test_two_nodes_meet_and_node0_holds_rank0(target_env, pid_dir, log_dir):
+    # Two launcher calls = two "nodes" of one rank each on this machine, as `labkit launch emit` runs them.
+    # Node 1 starts first (lower pid): with c10d rendezvous it would become global rank 0.
+    from concurrent.futures import ThreadPoolExecutor
+
+    endpoint = f"127.0.0.1:{launch.free_port()}"
+
+    def node(rank: int):
+        return launch.run(TARGET, ["ok"], nproc=1, nnodes=2, node_rank=rank, rdzv_endpoint=endpoint,
+                          env=target_env, timeout_s=120, stream=False, log_dir=log_dir)
+
+    with ThreadPoolExecutor(2) as pool:
+        other, head = pool.map(node, [1, 0])
+    assert "rank 0 of 2: sum=3" in head.output and "rank 1 of 2: sum=3" in other.output
+    assert Path(head.log_dir).parts[-3] == "node0" and Path(other.log_dir).parts[-3] == "node1"
+    assert_nothing_left(pid_dir)
+
+
+@pytest.mark.slow
+def test_rank0_output_shows_in_a_notebook_cell(run_cells, target_env, log_dir):
+    env = {k: v for k, v in target_env.items() if k == "PYTHONPATH"}
+    nb = run_cells(f"from labkit import launch\n"
+                   f"result = launch.run({TARGET!r}, ['ok'], nproc=2, env={env!r}, timeout_s=120,\n"
+                   f"                    log_dir={log_dir!r})\n"
+                   f"print('returncode', result.returncode)")
+    text = stream_text(nb.cells[0])
+    assert "rank 0 of 2: sum=3" in text and "returncode 0" in text
+
+
+# ---------------------------------------------------------------- labkit launch emit
+TRAIN_ARGS = ["--strategy", "ddp", "--profile", "a100x4", "--note", "it's $HOME"]
+
+
+def expand(command: str, env: dict[str, str]) -> list[str]:
+    """The argv `labkit` receives when bash runs `command` with `env` (labkit stubbed to print its args)."""
+    stub = "labkit() { printf '%s\\n' \"$@\"; }; export -f labkit; "
+    out = subprocess.run(["bash", "-c", stub + command], env={"PATH": os.environ["PATH"], **env},
+                         capture_output=True, text=True, check=True).stdout
+    return out.splitlines()
+
+
+def test_emit_slurm_runs_labkit_train_on_every_node_with_rendezvous():
+    from labkit.cli.launch import slurm_script
+
+    script = slurm_script(TRAIN_ARGS, nodes=2, gpus_per_node=4, job_name="ddp-run", time="02:30:00")
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    for directive in ("--job-name=ddp-run", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=4",
+                      "--time=02:30:00"):
+        assert f"#SBATCH {directive}" in lines
+    assert any(line.startswith("export HEAD_NODE=$(scontrol show hostnames") for line in lines)
+    srun = [line for line in lines if line.startswith("srun ")]
+    assert len(srun) == 1 and srun[0].startswith("srun --nodes=2 --ntasks-per-node=1 bash -c ")
+    # what node 1 of 2 actually runs once srun starts the task there
+    argv = expand(srun[0].removeprefix("srun --nodes=2 --ntasks-per-node=1 "),
+                  {"SLURM_NODEID": "1", "SLURM_NNODES": "2", "HEAD_NODE": "gpu-node-a", "HOME": "/root"})
+    assert argv == ["train", *TRAIN_ARGS, "--nproc", "4", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+                    "gpu-node-a:29500"]
+
+
+def test_emit_k8s_is_a_pytorchjob_with_master_and_workers():
+    import yaml
+
+    from labkit.cli.launch import k8s_manifest
+
+    job = yaml.safe_load(k8s_manifest(["train", *TRAIN_ARGS], nodes=3, gpus_per_node=4, job_name="ddp-run"))
+    assert (job["apiVersion"], job["kind"], job["metadata"]["name"]) == ("kubeflow.org/v1", "PyTorchJob", "ddp-run")
+    assert job["spec"]["nprocPerNode"] == "4"
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert {role: s["replicas"] for role, s in specs.items()} == {"Master": 1, "Worker": 2}
+    container = specs["Worker"]["template"]["spec"]["containers"][0]
+    assert container["name"] == "pytorch" and container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert container["command"][:2] == ["bash", "-c"]
+    argv = expand(container["command"][2], {"RANK": "2", "MASTER_ADDR": "ddp-run-master-0",
+                                            "MASTER_PORT": "23456", "HOME": "/root"})
+    assert argv == ["train", *TRAIN_ARGS, "--nproc", "4", "--nnodes", "3", "--node-rank", "2", "--rdzv-endpoint",
+                    "ddp-run-master-0:23456"]
+
+
+def test_emit_k8s_single_node_has_no_workers():
+    import yaml
+
+    from labkit.cli.launch import k8s_manifest
+
+    job = yaml.safe_load(k8s_manifest(["--strategy", "ddp"], nodes=1, gpus_per_node=2))
+    assert list(job["spec"]["pytorchReplicaSpecs"]) == ["Master"]
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(time="2h"), "time='2h'"),
+    (dict(job_name="My Job"), "job name 'My Job'"),
+    (dict(train_args=["--nnodes", "4"]), "--nnodes"),
+    (dict(train_args=["--nproc=4"]), "--gpus-per-node"),
+])
+def test_emit_rejects_bad_input(kwargs, fragment):
+    from labkit.cli.launch import slurm_script
+
+    kwargs = {"train_args": ["--strategy", "ddp"], "nodes": 2, "gpus_per_node": 4, **kwargs}
+    with pytest.raises(ConfigError, match=fragment):
+        slurm_script(kwargs.pop("train_args"), **kwargs)
+
+
+def test_emit_cli_writes_the_file(tmp_path):
+    from labkit.cli import main
+
+    out = tmp_path / "job.sbatch"
+    with pytest.raises(SystemExit) as info:
+        main(["launch", "emit", "slurm", "--nodes", "2", "--gpus-per-node", "4", "--out", str(out),
+              "--", "--strategy", "ddp"])
+    assert info.value.code == 0
+    assert "#SBATCH --nodes=2" in out.read_text()
