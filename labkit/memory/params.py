@@ -1,0 +1,178 @@
+"""Exact parameter counts of the course's models, from preset numbers alone (pure Python, no torch).
+
+A `ModelSpec` is what the estimator needs to know about a model: how many parameters it has, where
+they sit (embedding / one block / head, so pipeline stages and ZeRO-3 working sets can be sized),
+which linear layers LoRA can target or bitsandbytes can quantize, and the architecture numbers the
+activation formulas use. Counts are exact: `model_spec("llama2-7b").params == 6_738_415_616` and
+`model_spec("resnet50").params == 25_557_032`, the numbers torch reports for the built models.
+A path to a Hugging Face `config.json` (or its folder) is counted by building the model on torch's
+meta device, which allocates nothing. Introduced in notebook 01_memory.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from labkit import presets
+from labkit.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One kind of linear layer inside a repeated block (LoRA target, bitsandbytes quantization)."""
+
+    name: str
+    """Module name as peft matches it, e.g. 'q_proj'."""
+    fan_in: int
+    fan_out: int
+    count: int
+    """How many of these the whole model has (one per block)."""
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Parameter layout of one model (all counts in elements, not bytes)."""
+
+    name: str
+    kind: str
+    """'llm' (Llama family), 'gpt' (GPT-3 style block), 'vision' (ResNet) or 'params' (a bare count)."""
+    params: int
+    buffers: int = 0
+    """Floating-point buffer elements (BatchNorm running stats), counted with the weights."""
+    embed: int = 0
+    """Parameters before the first block (token + position embeddings, or the ResNet stem)."""
+    block: int = 0
+    """Parameters of one repeated block (transformer layer)."""
+    num_blocks: int = 0
+    head: int = 0
+    """Parameters after the last block (final norm + untied LM head, or the ResNet classifier)."""
+    linears: tuple[Linear, ...] = ()
+    arch: dict = field(default_factory=dict)
+    """Architecture numbers for the activation formulas (hidden_size, heads, vocab, ...)."""
+
+    @property
+    def largest_layer(self) -> int:
+        """Largest unit ZeRO-3 / FSDP gathers at once (a block, or the embedding / head)."""
+        return max(self.block, self.embed, self.head, 1) if self.kind != "params" else self.params
+
+
+def llama_spec(name: str, cfg: dict) -> ModelSpec:
+    """Exact count for an HF `LlamaForCausalLM` (no biases, RMSNorm weights only)."""
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    hd = cfg.get("head_dim") or h // heads
+    vocab = cfg["vocab_size"]
+    linears = (Linear("q_proj", h, heads * hd, layers), Linear("k_proj", h, kv * hd, layers),
+               Linear("v_proj", h, kv * hd, layers), Linear("o_proj", heads * hd, h, layers),
+               Linear("gate_proj", h, inter, layers), Linear("up_proj", h, inter, layers),
+               Linear("down_proj", inter, h, layers))  # count = one per layer
+    block = sum(lin.fan_in * lin.fan_out for lin in linears) + 2 * h  # + two RMSNorm weights
+    embed = vocab * h
+    head = h + (0 if cfg.get("tie_word_embeddings") else vocab * h)  # final norm (+ lm_head)
+    arch = dict(hidden=h, intermediate=inter, layers=layers, heads=heads, kv_heads=kv, head_dim=hd,
+                vocab=vocab, max_seq=cfg.get("max_position_embeddings", 2048),
+                tied=bool(cfg.get("tie_word_embeddings")))
+    # buffers: the rotary inv_freq and original_inv_freq (head_dim / 2 each)
+    return ModelSpec(name, "llm", embed + layers * block + head, buffers=hd, embed=embed, block=block,
+                     num_blocks=layers, head=head, linears=linears, arch=arch)
+
+
+def gpt_spec(name: str, cfg: dict) -> ModelSpec:
+    """GPT-3 style block (Brown et al. 2020; Megatron layout): fused QKV, 4h GeLU MLP, biases,
+    LayerNorms, learned positions, LM head tied to the token embedding. 12*L*h^2 + 13*L*h + ..."""
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    vocab, pos = cfg["vocab_size"], cfg["max_position_embeddings"]
+    linears = (Linear("qkv", h, 3 * h, layers, True), Linear("proj", h, h, layers, True),
+               Linear("fc1", h, inter, layers, True), Linear("fc2", inter, h, layers, True))
+    block = sum((lin.fan_in + 1) * lin.fan_out for lin in linears) + 4 * h  # + 2 LayerNorms
+    embed = (vocab + pos) * h
+    head = 2 * h  # final LayerNorm; the head reuses the embedding
+    arch = dict(hidden=h, intermediate=inter, layers=layers, heads=cfg["num_attention_heads"],
+                kv_heads=cfg["num_attention_heads"], head_dim=h // cfg["num_attention_heads"],
+                vocab=vocab, max_seq=pos, tied=True)
+    return ModelSpec(name, "gpt", embed + layers * block + head, embed=embed, block=block,
+                     num_blocks=layers, head=head, linears=linears, arch=arch)
+
+
+def resnet_spec(name: str, cfg: dict) -> ModelSpec:
+    """Exact count for torchvision's ResNet with Bottleneck blocks (He et al. 2016, Table 1).
+
+    Each conv has no bias; each BatchNorm has 2*C parameters and 2*C floating buffers."""
+    if cfg.get("block", "bottleneck") != "bottleneck":
+        raise ConfigError(f"vision preset {name!r}: block={cfg['block']!r}; only 'bottleneck' is modelled")
+    params = 3 * 64 * 7 * 7 + 2 * 64  # stem conv 7x7 + bn1
+    buffers, inplanes, blocks, largest = 2 * 64, 64, 0, 0
+    for stage, (planes, count) in enumerate(zip((64, 128, 256, 512), cfg["layers"])):
+        for i in range(count):
+            width, out = planes, planes * 4
+            p = inplanes * width + 9 * width * width + width * out + 2 * (2 * width + out)
+            bn = 2 * (2 * width + out)
+            if i == 0 and (stage > 0 or inplanes != out):  # projection shortcut
+                p += inplanes * out + 2 * out
+                bn += 2 * out
+            params, buffers, largest = params + p, buffers + bn, max(largest, p)
+            inplanes, blocks = out, blocks + 1
+    classes = cfg["num_classes"]
+    head = 2048 * classes + classes
+    arch = dict(layers=tuple(cfg["layers"]), num_classes=classes, image_size=cfg["image_size"])
+    return ModelSpec(name, "vision", params + head, buffers=buffers, embed=3 * 64 * 49 + 128,
+                     block=largest, num_blocks=blocks, head=head, arch=arch)
+
+
+def params_spec(n: int) -> ModelSpec:
+    """A bare parameter count (`--params N`): model states only, no architecture."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"params={n!r}; give a positive integer number of parameters, e.g. 7_000_000_000")
+    return ModelSpec(f"{n} params", "params", n)
+
+
+def config_spec(path: str | Path) -> ModelSpec:
+    """Spec of an HF config.json: exact count on the meta device; Llama-like architectures also get
+    their block layout (so LoRA, quantization and activations work); others are counts only."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        cfg = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read {file} as a Hugging Face config.json ({exc}); "
+                          "give a preset name or the path of a config.json") from exc
+    total = meta_param_count(file)
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    if all(k in cfg for k in keys):
+        spec = llama_spec(str(path), cfg)
+        if spec.params == total:
+            return spec
+        # Not Llama-shaped (biases, different MLP): keep the exact count, drop the block layout.
+        return ModelSpec(str(path), "params", total, arch={})
+    return ModelSpec(str(path), "params", total)
+
+
+def meta_param_count(config_file: Path) -> int:
+    """Parameters of the model a config.json describes, built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(config_file))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())  # parameters() yields each shared tensor once
+
+
+def model_spec(model: str) -> ModelSpec:
+    """The spec of a preset name or of a path to an HF config.json / checkpoint folder."""
+    if model in presets.LLM_PRESETS:
+        return llama_spec(model, dict(presets.LLM_PRESETS[model]))
+    if model in presets.GPT_PRESETS:
+        return gpt_spec(model, dict(presets.GPT_PRESETS[model]))
+    if model in presets.VISION_PRESETS:
+        return resnet_spec(model, dict(presets.VISION_PRESETS[model]))
+    path = Path(model)
+    if path.suffix == ".json" or (path / "config.json").is_file():
+        if not (path.is_file() or (path / "config.json").is_file()):
+            raise ConfigError(f"config file {model!r} does not exist; give a preset or an existing config.json")
+        return config_spec(path)
+    raise ConfigError(f"unknown model {model!r}; valid models are: {', '.join(presets.ALL_MODELS)}, "
+                      "or the path of a Hugging Face config.json")
