@@ -126,8 +126,11 @@ def latest(path: str | os.PathLike, **match: Any) -> RunRecord:
 
 # ---------------------------------------------------------------- notebooks
 def _publish(payload: dict[str, Any], text: str) -> None:
+    """Display `payload` sealed with a fingerprint of the running cell and environment (labkit.grading)."""
     from IPython.display import display
-    display({MIME: payload, "text/plain": text}, raw=True)
+
+    from labkit.grading.fingerprint import seal
+    display({MIME: seal(payload, text), "text/plain": text}, raw=True)
 
 
 def show(record: RunRecord, *, key: str | None = None) -> RunRecord:
@@ -145,7 +148,9 @@ def answer(key: str, value: Any) -> Any:
 
 
 def from_notebook(nb) -> list[dict[str, Any]]:
-    """Every labkit payload in an executed notebook (nbformat node), in cell order, with cell index."""
+    """Every labkit payload in an executed notebook (nbformat node), in cell order, with cell index.
+
+    Payloads keep their `fingerprint` (the seal `labkit.grading.tamper` verifies)."""
     found = []
     for index, cell in enumerate(nb.cells):
         for output in cell.get("outputs", []) if cell.cell_type == "code" else []:

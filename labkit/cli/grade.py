@@ -1,0 +1,49 @@
+"""`labkit grade SUBMISSIONS_DIR --out OUT_DIR`: grade a class's executed notebooks (docs/grading.md).
+
+Writes OUT_DIR/grades.csv (one row per submission), summary.csv, canvas.csv, gradescope/<notebook>.csv and
+feedback/<student>.html; exit code 0 whenever the gradebook was written, whatever the submissions held.
+"""
+from __future__ import annotations
+
+import click
+
+from labkit.grading.batch import GradeOptions, run_batch
+from labkit.grading.evaluate import Grade
+from labkit.grading.registry import load_file
+from labkit.grading.sandbox import Limits
+from labkit.profiles import get_profile
+from labkit.results import format_table
+
+
+def _progress(row: Grade) -> None:
+    click.echo(f"{row.status:>8}  {row.student}/{row.notebook or '-'}  {row.score:g}/{row.max_score:g}  "
+               f"{row.detail[:100]}")
+
+
+@click.command("grade")
+@click.argument("submissions_dir", type=click.Path())
+@click.option("--out", "out_dir", required=True, type=click.Path(), help="Where grades and feedback go.")
+@click.option("--notebook", default=None, help="Grade only <student>/NOTEBOOK.ipynb, e.g. 01_memory.")
+@click.option("--execute", is_flag=True, help="Re-run each notebook with papermill in a sandbox first.")
+@click.option("--profile", default="smoke", show_default=True, help="PROFILE injected when executing.")
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds per notebook (--execute).")
+@click.option("--workers", type=int, default=1, show_default=True, help="Submissions graded in parallel.")
+@click.option("--memory-gib", type=float, default=8.0, show_default=True, help="Memory cap per process (--execute).")
+@click.option("--output-mib", type=float, default=50.0, show_default=True, help="Largest executed notebook.")
+@click.option("--checks", "checks_file", type=click.Path(), default=None,
+              help="Python file with extra (e.g. private hidden) checks: CHECKS = {'01_memory': [...]}.")
+@click.option("--kernel", default="labkit", show_default=True, help="Jupyter kernel for --execute.")
+def command(submissions_dir, out_dir, notebook, execute, profile, timeout, workers, memory_gib, output_mib,
+            checks_file, kernel):
+    """Grade SUBMISSIONS_DIR/<student>/<notebook>.ipynb on recorded results (or re-executed with --execute)."""
+    get_profile(profile)  # an unknown profile is a ConfigError naming the valid ones
+    if checks_file:
+        click.echo(f"extra checks for: {', '.join(load_file(checks_file))}")
+    limits = Limits(timeout_s=timeout, memory_bytes=int(memory_gib * 2**30), output_bytes=int(output_mib * 2**20))
+    opts = GradeOptions(execute=execute, notebook=notebook, profile=profile, kernel=kernel, workers=workers,
+                        limits=limits)
+    result = run_batch(submissions_dir, out_dir, opts, progress=_progress)
+    click.echo(format_table(result.summary))
+    click.echo(f"wrote {result.out_dir / 'grades.csv'} ({len(result.rows)} rows), summary.csv, canvas.csv, "
+               f"gradescope/, feedback/")
+    return 0
