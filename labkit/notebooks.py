@@ -276,6 +276,11 @@ def _metadata_problems(path: Path, nb) -> list[str]:
     transient = [key for key in TRANSIENT_NB_METADATA if key in nb.metadata]
     if transient:
         problems.append(f"notebook metadata {transient} comes from an execution; run `labkit notebooks clean {path}`")
+    identity = nb.metadata.get("labkit", {}).get("notebook")
+    if path.parent.name == "notebooks" and identity != path.stem:
+        # Grading tells a submitted notebook from another by this identity (docs/grading.md).
+        problems.append(f"metadata labkit.notebook is {identity!r}; set it to {path.stem!r} (the file's stem) so "
+                        "`labkit grade` can tell this notebook from the others")
     reason = ci_exemption(nb)
     if reason is not None and path.parent.name not in EXEMPTABLE_DIRS:
         problems.append(f"metadata labkit.execute_in_ci=false, but only notebooks in {'/, '.join(EXEMPTABLE_DIRS)}/ "
