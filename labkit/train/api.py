@@ -1,0 +1,88 @@
+"""Python API for notebooks and the CLI: `run(...)` trains and returns the run's `RunRecord`.
+
+`run(strategy='single', ...)` trains in this process (a notebook keeps its imports warm); any
+strategy that needs a process group, or `nproc > 1`, is launched under torchrun through
+`labkit.launch.run` and the record is read back from OUT/results.jsonl by its run id.
+Introduced in notebook 02_single_gpu.
+"""
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+from labkit import parallel, results
+from labkit.errors import ConfigError
+from labkit.train.checkpoint import Deadline
+from labkit.train.config import TrainConfig, from_dict, parse_deadline
+
+WORKER = "labkit.train.worker"
+
+
+def make_config(strategy: str, model: str, **options) -> TrainConfig:
+    """A resolved, validated TrainConfig (profile defaults filled in) with a fresh run id."""
+    cfg = from_dict({"strategy": strategy, "model": model, **options})
+    if not cfg.run_id:
+        cfg = dataclasses.replace(cfg, run_id=uuid.uuid4().hex[:12])
+    cfg = cfg.resolve()
+    parallel.strategy_class(cfg.strategy).check(cfg, cfg.world_size)
+    if cfg.deadline:  # fail here, before paying for a launch
+        Deadline(parse_deadline(cfg.deadline), cfg.deadline_margin_s).check_start()
+    return cfg
+
+
+def run(strategy: str, model: str, *, timeout_s: float | None = None, stream: bool = True,
+        **options) -> results.RunRecord | None:
+    """Train and return the RunRecord (None on nodes other than node 0 of a multi-node job).
+
+    `options` are TrainConfig fields: profile, nproc, steps, out, seed, amp, accum, checkpointing,
+    batch, lr, channels_last, compile, checkpoint_every, resume, deadline, data, ...
+    """
+    cfg = make_config(strategy, model, **options)
+    cls = parallel.strategy_class(cfg.strategy)
+    if cfg.world_size == 1 and not cls.needs_process_group:
+        return _in_process(cfg)
+    from labkit import launch
+
+    launch.run(WORKER, ["--config-json", cfg.to_json()], nproc=cfg.nproc, timeout_s=_timeout(cfg, timeout_s),
+               env=cls.launch_env(cfg), nnodes=cfg.nnodes, node_rank=cfg.node_rank,
+               rdzv_endpoint=cfg.rdzv_endpoint, stream=stream)
+    if cfg.node_rank != 0:
+        return None
+    return record_of(cfg.out, cfg.run_id)
+
+
+def _in_process(cfg: TrainConfig) -> results.RunRecord:
+    import gc
+
+    import torch
+
+    from labkit.train.loop import train
+    from labkit.train.worker import local_context
+
+    ctx = local_context(cfg)
+    try:
+        return train(cfg, ctx)
+    finally:
+        if ctx.device.type == "cuda":  # hand the GPU back to the ranks a later launch starts
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+def record_of(out, run_id: str) -> results.RunRecord:
+    """The record a run appended to OUT/results.jsonl, found by its run id."""
+    for record in reversed(results.load(out)):
+        if record.extra.get("run_id") == run_id:
+            return record
+    raise ConfigError(f"no record with run_id {run_id!r} in {out}/results.jsonl; the run did not finish")
+
+
+def _timeout(cfg: TrainConfig, timeout_s: float | None) -> float:
+    """The profile's wall-clock limit, stretched to the deadline (plus a minute) when one is given."""
+    from labkit.profiles import get_profile
+
+    limit = timeout_s or get_profile(cfg.profile).timeout_s
+    if cfg.deadline:
+        import datetime as _dt
+        left = (parse_deadline(cfg.deadline) - _dt.datetime.now(_dt.timezone.utc)).total_seconds()
+        limit = max(limit, left + 60.0)
+    return limit

@@ -1,0 +1,235 @@
+"""The one training loop every strategy runs (the strategy only changes its `Strategy` hook).
+
+Per step: fetch this dp rank's share of the global batch -> split into `accum` micro-batches ->
+`hook.train_step` -> time it -> maybe checkpoint -> maybe stop for the deadline. At the end every
+rank's facts are gathered (`all_gather_object`) and rank 0 appends ONE `RunRecord` to
+OUT/results.jsonl. Introduced in notebook 02_single_gpu.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from labkit import parallel, results
+from labkit.errors import ConfigError
+from labkit.train import metrics
+from labkit.train.checkpoint import Checkpointer, Deadline, latest_checkpoint, read_meta
+from labkit.train.config import AMP_DTYPES, parse_deadline
+from labkit.train.data import StepLoader, build_datasets, eval_batches, make_task, split_micro
+
+FLOPS_STEP, MEMORY_STEP = 0, 1  # process-local warm-up steps that carry the measurements
+
+
+@dataclass
+class _Progress:
+    """What this process did: losses (global averages restored from a checkpoint, then local), times."""
+
+    prior_losses: list[float] = field(default_factory=list)
+    local_losses: list = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    flops: list[float] = field(default_factory=list)
+    resumed_from: int | None = None
+    stopped: str | None = None
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    try:
+        import numpy as np
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def train(cfg, ctx):
+    """Run `cfg` on this rank (`ctx`); returns the RunRecord on rank 0, None elsewhere."""
+    cfg = cfg.resolve()
+    seed_everything(cfg.seed)
+    task = make_task(cfg)
+    hook = parallel.make_strategy(cfg.strategy, ctx, cfg, task)
+    type(hook).check(cfg, ctx.world_size)
+    deadline = Deadline(parse_deadline(cfg.deadline) if cfg.deadline else None, cfg.deadline_margin_s)
+    deadline.check_start()
+    hook.setup()
+    try:
+        ckpt = Checkpointer(cfg.out, ctx, cfg)
+        progress = _restore(cfg, hook, ckpt)
+        deadline.check_start()
+        train_set, held_out = build_datasets(cfg, task)
+        loader = StepLoader(train_set, global_batch=cfg.batch, dp_rank=hook.dp_rank, dp_size=hook.dp_size,
+                            seed=cfg.seed, workers=cfg.workers, start_step=len(progress.prior_losses),
+                            pin_memory=ctx.device.type == "cuda")
+        peak = metrics.PeakMemory(ctx.device)
+        _run_steps(cfg, ctx, hook, task, loader, ckpt, deadline, progress, peak)
+        held = eval_batches(held_out, global_batch=cfg.batch, dp_rank=hook.dp_rank, dp_size=hook.dp_size,
+                            count=cfg.eval_batches)
+        evaluation = hook.evaluate([_to_device(b, ctx.device, cfg.channels_last) for b in held]) if held else None
+        facts = dict(losses=_floats(progress.local_losses), times=progress.times, flops=progress.flops,
+                     peak=peak.result(), bytes=tuple(hook.resident_bytes()), eval=evaluation)
+        gathered = _gather(ctx, facts)
+        if not ctx.is_main:
+            return None
+        record = _record(cfg, ctx, hook, task, progress, gathered, len(train_set), ckpt)
+        path = results.append(record, cfg.out)
+        _say(ctx, f"appended the {cfg.strategy} record to {path}")
+        return record
+    finally:
+        hook.close()
+
+
+def _restore(cfg, hook, ckpt) -> _Progress:
+    """Load the newest complete checkpoint for --resume; otherwise make sure we start clean."""
+    progress = _Progress()
+    ckpt.clean_stale()
+    found = latest_checkpoint(cfg.out) if cfg.resume else None
+    if found is not None:
+        saved = read_meta(found)["step"]
+        if saved >= cfg.steps:
+            raise ConfigError(f"{found} is already at step {saved} >= --steps {cfg.steps}; raise --steps to train further")
+        meta = ckpt.load(hook, found)
+        progress.prior_losses, progress.resumed_from = list(meta["losses"]), meta["step"]
+        _say(hook.ctx, f"resumed from {found} (step {meta['step']})")
+    elif cfg.resume:
+        _say(hook.ctx, f"--resume: no checkpoint yet in {ckpt.root}; starting from step 0")
+    elif cfg.checkpoint_every or cfg.deadline:
+        ckpt.check_fresh()
+    return progress
+
+
+def _run_steps(cfg, ctx, hook, task, loader, ckpt, deadline, progress, peak) -> None:
+    from tqdm import tqdm
+
+    start = len(progress.prior_losses)
+    measure_flops = hook.flops_per_step(1) is None and not cfg.compile
+    batches = iter(loader)
+    bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.strategy} {cfg.model}", unit="step",
+               disable=not (ctx.is_main and cfg.progress), file=sys.stderr, mininterval=0.5)
+    for local, step in enumerate(range(start, cfg.steps)):
+        t0 = time.perf_counter()
+        inputs, targets = _to_device(next(batches), ctx.device, cfg.channels_last)
+        micro = split_micro(inputs, targets, cfg.accum)
+        with _measurement(local, measure_flops, hook, peak, progress.flops, cfg.steps - start) as loss_fn:
+            loss = hook.train_step(micro, loss_fn(task.loss))
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)  # CUDA is asynchronous: time the work, not the launch
+        progress.times.append(time.perf_counter() - t0)
+        progress.local_losses.append(None if loss is None else loss.detach())
+        bar.update(1)
+        if local % 10 == 0 and loss is not None:
+            bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
+        done = step + 1
+        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+            _save(ckpt, hook, ctx, progress, done, deadline)
+        if deadline.when is not None and done < cfg.steps and _agree(ctx, deadline.should_stop(progress.times[-1])):
+            _save(ckpt, hook, ctx, progress, done, deadline)
+            progress.stopped = "deadline"
+            _say(ctx, f"\nstopping at step {done}: the deadline {cfg.deadline} is within "
+                      f"{deadline.margin_s:.0f} s; resume later with --resume")
+            break
+    bar.close()
+
+
+@contextlib.contextmanager
+def _measurement(local: int, measure_flops: bool, hook, peak, flops: list, todo: int):
+    """Count FLOPs in local step 0 and track peak memory in local step 1 (both warm-up steps).
+
+    Yields `wrap(loss_fn)`: the loss function to use in this step (the memory tracker hooks into it)."""
+    with contextlib.ExitStack() as stack:
+        if local == FLOPS_STEP and measure_flops:
+            stack.enter_context(metrics.count_flops(flops))
+        wrap = lambda loss_fn: loss_fn  # noqa: E731
+        if local == min(MEMORY_STEP, todo - 1):
+            wrap = stack.enter_context(peak.track(hook.model, hook.optimizer))
+        yield wrap
+
+
+def _save(ckpt, hook, ctx, progress, step: int, deadline) -> None:
+    losses = progress.prior_losses + _average(_gather(ctx, _floats(progress.local_losses)))
+    ckpt.save(hook, step, losses)
+    deadline.slowest_save = max(ckpt.save_times)
+
+
+def _agree(ctx, flag: bool) -> bool:
+    """Rank 0's decision for all ranks (clocks differ; a split decision would deadlock a collective)."""
+    if ctx.group is None:
+        return flag
+    import torch.distributed as dist
+    t = torch.tensor([int(flag)], device=ctx.device)
+    dist.broadcast(t, src=0, group=ctx.group)
+    return bool(t.item())
+
+
+def _to_device(batch, device, channels_last: bool):
+    inputs, targets = (t.to(device, non_blocking=True) for t in batch)
+    if channels_last and inputs.dim() == 4:
+        inputs = inputs.contiguous(memory_format=torch.channels_last)
+    return inputs, targets
+
+
+def _floats(values) -> list:
+    return [None if v is None else float(v) for v in values]
+
+
+def _gather(ctx, obj) -> list:
+    if ctx.group is None:
+        return [obj]
+    import torch.distributed as dist
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, obj, group=ctx.group)
+    return out
+
+
+def _average(per_rank: list[list]) -> list[float]:
+    """Per-step mean over the ranks that have a loss (pipeline: only the last stage)."""
+    steps = zip(*per_rank) if per_rank else []
+    return [sum(v for v in row if v is not None) / max(1, sum(v is not None for v in row)) for row in steps]
+
+
+def _say(ctx, text: str) -> None:
+    if ctx.is_main:
+        print(text, flush=True)
+
+
+def _record(cfg, ctx, hook, task, progress, gathered, dataset_size, ckpt):
+    losses = progress.prior_losses + _average([g["losses"] for g in gathered])
+    skip = {FLOPS_STEP, MEMORY_STEP}
+    step_time = max(metrics.median_step_time(g["times"], skip, cfg.warmup_steps) for g in gathered)
+    samples_per_s = cfg.batch / step_time if step_time else 0.0
+    global_tokens = cfg.batch * task.tokens_per_sample
+    flops = hook.flops_per_step(global_tokens)
+    if flops is None:
+        flops = sum(g["flops"][0] for g in gathered if g["flops"])
+    peak_tf = metrics.peak_tflops(ctx.device, AMP_DTYPES[cfg.amp])
+    steps_per_epoch = dataset_size // cfg.batch
+    per_rank = list(zip(*[g["bytes"] for g in gathered]))
+    extra = dict(run_id=cfg.run_id, device_name=metrics.device_name(ctx.device), amp=cfg.amp, accum=cfg.accum,
+                 micro_batch=cfg.batch // hook.dp_size // cfg.accum, dp_size=hook.dp_size, lr=cfg.lr,
+                 activation_checkpointing=cfg.checkpointing, channels_last=cfg.channels_last,
+                 compile=cfg.compile, data=cfg.data, seed=cfg.seed, dataset_size=dataset_size,
+                 steps_per_epoch=steps_per_epoch, epoch_time_s=steps_per_epoch * step_time,
+                 flops_per_step=flops, achieved_tflops=flops / step_time / 1e12 if step_time else 0.0,
+                 peak_tflops_per_device=peak_tf, resumed_from=progress.resumed_from, stopped=progress.stopped,
+                 checkpoint_save_s=ckpt.save_times, **_eval_summary(gathered), **hook.record_extra())
+    return results.RunRecord(
+        strategy=cfg.strategy, model=cfg.model, profile=cfg.profile, world_size=ctx.world_size,
+        steps=len(losses), losses=losses, step_time_s=step_time, samples_per_s=samples_per_s,
+        peak_bytes=[g["peak"] for g in gathered], param_bytes=list(per_rank[0]), grad_bytes=list(per_rank[1]),
+        optimizer_bytes=list(per_rank[2]), cpu_offload_bytes=list(per_rank[3]),
+        trainable_params=hook.trainable_params(), device=ctx.device.type, dtype=AMP_DTYPES[cfg.amp],
+        global_batch=cfg.batch, tokens_per_s=samples_per_s * task.tokens_per_sample,
+        mfu=metrics.mfu(flops, step_time, ctx.world_size, peak_tf), extra=extra)
+
+
+def _eval_summary(gathered) -> dict:
+    evals = [g["eval"] for g in gathered if g["eval"]]
+    count = sum(e["count"] for e in evals)
+    if not count:
+        return {}
+    return {"eval_loss": sum(e["loss_sum"] for e in evals) / count,
+            "eval_accuracy": sum(e["correct"] for e in evals) / count}

@@ -1,0 +1,146 @@
+"""Measurements of a run: step time, throughput, memory per rank, FLOPs and MFU.
+
+Timing is never skewed by measurement: peak memory (CPU) and FLOPs are measured inside warm-up steps,
+which the median step time excludes. Introduced in notebook 02_single_gpu.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+from typing import NamedTuple
+
+import torch
+
+#: Dense peak TFLOPS per GPU by (name fragment, compute dtype), from the vendors' data sheets:
+#: A100 bf16/fp16 312, TF32 156; H100 SXM bf16/fp16 989, TF32 495; V100 fp16 125, fp32 15.7.
+PEAK_TFLOPS = (
+    ("H100", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.7}),
+    ("A100", {"bfloat16": 312.0, "float16": 312.0, "float32": 156.0}),
+    ("V100", {"float16": 125.0, "float32": 15.7}),
+)
+
+
+class ResidentBytes(NamedTuple):
+    """Bytes of model state resident on one rank's device, plus bytes a strategy moved to host."""
+
+    param: int
+    grad: int
+    optimizer: int
+    cpu_offload: int = 0
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank really holds), a plain tensor as is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def tensor_bytes(tensors, device: torch.device) -> tuple[int, int]:
+    """(bytes on `device`, bytes elsewhere) of `tensors`, each storage counted once."""
+    seen, here, away = set(), 0, 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = _local(t)
+        key = (t.device, t.untyped_storage().data_ptr())
+        if key in seen or t.device.type == "meta":
+            continue
+        seen.add(key)
+        size = t.untyped_storage().nbytes()
+        if t.device.type == device.type:
+            here += size
+        else:
+            away += size
+    return here, away
+
+
+def resident_bytes(model: torch.nn.Module, optimizer, device: torch.device) -> ResidentBytes:
+    """Params, grads and optimizer state of `model`/`optimizer` on `device` (DTensors by local shard)."""
+    params = list(model.parameters())
+    p_here, p_away = tensor_bytes(params, device)
+    g_here, g_away = tensor_bytes([p.grad for p in params if p.grad is not None], device)
+    states = [v for s in (optimizer.state.values() if optimizer else []) for v in s.values()]
+    o_here, o_away = tensor_bytes(states, device)
+    offload = (p_away + g_away + o_away) if device.type != "cpu" else 0
+    return ResidentBytes(p_here, g_here, o_here, offload)
+
+
+class PeakMemory:
+    """Peak bytes of one rank: the CUDA allocator's high-water mark, or on CPU a MemTracker
+    (torch.distributed._tools.mem_tracker) over one warm-up step -- tensor accounting, not RSS."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak = device, 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    @contextlib.contextmanager
+    def track(self, model: torch.nn.Module, optimizer):
+        """Context yielding `wrap(loss_fn)`: use the wrapped loss function inside the tracked step."""
+        if self.device.type == "cuda":
+            yield lambda loss_fn: loss_fn
+            return
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        # Strategies may own foreign optimizers (DeepSpeed's); MemTracker accepts torch ones only and
+        # then sees the foreign state as it is allocated or touched inside the step.
+        tracker.track_external(model, *([optimizer] if isinstance(optimizer, torch.optim.Optimizer) else []))
+
+        def wrap(loss_fn):
+            # MemTracker refuses a second forward of the same module (accumulation micro-batches)
+            # unless its per-module stats are reset first; the device-wide peak is kept.
+            def tracked(*args):
+                tracker.reset_mod_stats()
+                return loss_fn(*args)
+            return tracked
+
+        with tracker:
+            yield wrap
+        snap = tracker.get_tracker_snapshot("peak")
+        self.peak = max(self.peak, sum(d.get("Total", 0) for d in snap.values()))
+
+    def result(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return int(self.peak)
+
+
+@contextlib.contextmanager
+def count_flops(into: list):
+    """Count the FLOPs of the enclosed work with torch.utils.flop_counter; appends the total to `into`."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        yield
+    into.append(counter.get_total_flops())
+
+
+def median_step_time(times: list[float], skip: set[int], warmup: int) -> float:
+    """Median of per-step wall times, without warm-up steps and steps that carried a measurement."""
+    kept = [t for i, t in enumerate(times) if i >= warmup and i not in skip]
+    if not kept:  # very short runs: everything but measured steps, else everything
+        kept = [t for i, t in enumerate(times) if i not in skip] or times
+    return statistics.median(kept) if kept else 0.0
+
+
+def peak_tflops(device: torch.device, dtype: str, fallback: float = 0.0) -> float:
+    """Dense peak TFLOPS of this GPU at `dtype` (0 on CPU: MFU is not defined there)."""
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    for fragment, table in PEAK_TFLOPS:
+        if fragment in name and dtype in table:
+            return table[dtype]
+    return fallback
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def mfu(flops_per_step: float, step_time_s: float, world_size: int, peak: float) -> float:
+    """Model FLOPs utilization (Chowdhery et al. 2022, PaLM, App. B): achieved / (ranks x peak)."""
+    if not (flops_per_step and step_time_s and peak):
+        return 0.0
+    return flops_per_step / step_time_s / (world_size * peak * 1e12)

@@ -1,0 +1,57 @@
+"""Per-rank entry point under torchrun: `python -m labkit.train.worker --config-json '{...}'`.
+
+torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR; this module turns them into a
+`DistContext` (the world group is passed down explicitly, never looked up as a global), runs the
+loop and tears the group down. `@record` writes the rank's traceback to torchrun's error.json, which
+`labkit.launch` turns into a `LaunchError` naming the failing rank. Introduced in notebook 03_ddp.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from labkit.parallel.single import DistContext
+from labkit.profiles import get_profile
+from labkit.train.config import TrainConfig
+from labkit.train.loop import train
+
+
+def init_distributed(cfg: TrainConfig) -> DistContext:
+    """Join the job's process group (gloo on CPU, nccl on GPUs) and pick this rank's device."""
+    prof = get_profile(cfg.profile)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if prof.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(prof.backend, rank=rank, world_size=world,
+                            timeout=_dt.timedelta(seconds=prof.timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, group=dist.group.WORLD)
+
+
+def local_context(cfg: TrainConfig) -> DistContext:
+    """The context of an in-process, single-device run (no process group)."""
+    device = torch.device("cuda", 0) if get_profile(cfg.profile).device == "cuda" else torch.device("cpu")
+    return DistContext(rank=0, world_size=1, local_rank=0, device=device, group=None)
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="labkit.train.worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--config-json", required=True, help="a resolved TrainConfig as JSON")
+    cfg = TrainConfig.from_json(parser.parse_args(argv).config_json)
+    ctx = init_distributed(cfg)
+    try:
+        train(cfg, ctx)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
