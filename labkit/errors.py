@@ -34,4 +34,5 @@ class ReservationError(LabkitError):
 def choices_error(kind: str, value: object, valid) -> ConfigError:
     """`ConfigError` for a name that is not one of `valid`, listing the valid ones."""
     names = ", ".join(sorted(valid))
-    return ConfigError(f"unknown {kind} {value!r}; valid {kind}s are: {names}")
+    plural = kind[:-1] + "ies" if kind.endswith("y") and kind[-2:-1] not in "aeiou" else kind + "s"
+    return ConfigError(f"unknown {kind} {value!r}; valid {plural} are: {names}")

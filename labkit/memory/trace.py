@@ -33,7 +33,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 TRACEABLE_OPTIMIZERS = ("adamw", "sgd", "sgd-momentum")
 
 
-class _PeakTracker(MemTracker):
+class PeakTracker(MemTracker):
     """MemTracker that keeps device-level peaks only: the total and each category's own maximum.
 
     torch's version also updates a peak for every active module after every op (O(ops x modules)),
@@ -185,7 +185,7 @@ def run_step(cfg: MemoryConfig, *, device: str = "cpu", fake_mode=None, tracker_
         master = cfg.precision.startswith("mixed")
         masters = [p.detach().float() for p in trainable] if master else []
         opt = _optimizer(cfg, masters if master else trainable)
-        tracker = (tracker_cls or _PeakTracker)()
+        tracker = (tracker_cls or PeakTracker)()
         tracker.track_external(model, opt, *masters)  # masters are counted as 'Other' = optimizer
         kind = spec_of(cfg).kind
         with tracker:

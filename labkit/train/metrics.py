@@ -79,9 +79,11 @@ class PeakMemory:
         if self.device.type == "cuda":
             yield lambda loss_fn: loss_fn
             return
-        from torch.distributed._tools.mem_tracker import MemTracker
+        # The memory lab's tracker: device-level peaks only (fast), and safe with frozen parameters
+        # (torch's MemTracker raises when hooking the gradient of a LoRA / QLoRA base weight).
+        from labkit.memory.trace import PeakTracker
 
-        tracker = MemTracker()
+        tracker = PeakTracker()
         # Strategies may own foreign optimizers (DeepSpeed's); MemTracker accepts torch ones only and
         # then sees the foreign state as it is allocated or touched inside the step.
         tracker.track_external(model, *([optimizer] if isinstance(optimizer, torch.optim.Optimizer) else []))
