@@ -1,0 +1,380 @@
+"""Pipeline parallelism: the LLM split by layers into stages, micro-batches flowing through them.
+
+Each rank keeps one stage (stage 0: embedding + its layers; the last: its layers + norm + LM head),
+so parameter bytes per rank are ~1/p. A step cuts the batch into m micro-batches; stage s runs F(i)
+after receiving stage s-1's activations and B(i) after receiving stage s+1's gradients
+(`torch.distributed.pipelining`, point-to-point send/recv between neighbours).
+
+- GPipe (Huang et al. 2019): all m forwards, then all m backwards. Stage s holds m micro-batches of
+  activations at the peak.
+- 1F1B (PipeDream-Flush, Narayanan et al. 2021, Sec. 2.2): after p - s warm-up forwards every stage
+  alternates one forward and one backward, so at most p - s micro-batches are in flight.
+
+Both idle the same share of each stage -- the bubble: (p - 1) / (m + p - 1) of the step with
+equal-cost stages (Narayanan et al. 2021, Sec. 2.2.1, write it as (p - 1) / m of the ideal time).
+1F1B buys memory, not a smaller bubble; more micro-batches (or interleaved stages) shrink it. We
+measure it: every stage records when it ran which micro-batch (`ScheduleTrace`), and bubble =
+1 - busy / span over the step, averaged over the stages; `labkit.schedule_plot` analyses the same
+events and draws the schedule diagram.
+Introduced in notebook 07_model_parallel.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from labkit.errors import ConfigError
+from labkit.parallel.single import Strategy
+from labkit.schedule_plot import events_of, max_in_flight, measured_bubble
+
+SCHEDULES = {"pipeline-gpipe": "gpipe", "pipeline-1f1b": "1f1b"}
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """Idle share of each stage in a flush pipeline: (p - 1) / (m + p - 1) (GPipe and 1F1B alike)."""
+    if stages < 1 or microbatches < 1:
+        raise ConfigError(f"stages={stages}, microbatches={microbatches}: both must be >= 1")
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def split_layers(num_layers: int, stages: int) -> list[list[int]]:
+    """Layer indices per stage, as even as possible (earlier stages take the remainder)."""
+    if stages > num_layers:
+        raise ConfigError(f"{stages} pipeline stages for a model with {num_layers} layers: every stage needs "
+                          f"at least one layer; use --nproc {num_layers} or fewer")
+    base, extra = divmod(num_layers, stages)
+    out, start = [], 0
+    for s in range(stages):
+        n = base + (1 if s < extra else 0)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+class LlamaStage(nn.Module):
+    """Layers of one pipeline stage of an HF Llama causal LM, keeping the full model's parameter names
+    (`model.layers.<i>...`) so state dicts of stages line up with the single model's.
+
+    forward: stage 0 takes token ids (B, T); others hidden states (B, T, H); the last returns logits
+    (B, T, V), the others hidden states (B, T, H).
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], *, first: bool, last: bool):
+        super().__init__()
+        self.config = model.config
+        self.model = nn.Module()
+        self.model.embed_tokens = model.model.embed_tokens if first else None
+        self.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layer_ids})
+        self.model.norm = model.model.norm if last else None
+        self.model.rotary_emb = model.model.rotary_emb  # cos/sin tables: buffers, no parameters
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        h = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x  # (B, T, H)
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, T)
+        rope = self.model.rotary_emb(h, position_ids=pos)  # (cos, sin), each (1, T, head_dim)
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
+                                  past_key_values=None, position_ids=pos)  # None: SDPA's is_causal
+        for layer in self.model.layers.values():
+            h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos)
+        if self.lm_head is not None:
+            h = self.lm_head(self.model.norm(h))  # (B, T, V)
+        return h
+
+
+def apply_pipeline(model: nn.Module, group, *, cfg=None, stage: int | None = None,
+                   num_stages: int | None = None) -> LlamaStage:
+    """This rank's stage of `model` (an HF Llama causal LM): stage = rank in `group` unless given.
+
+    The rest of the model is dropped (to be freed); the stage stays on the model's device.
+    """
+    import torch.distributed as dist
+
+    if stage is None or num_stages is None:
+        stage, num_stages = dist.get_rank(group), dist.get_world_size(group)
+    if getattr(model.config, "tie_word_embeddings", False) and num_stages > 1:
+        raise ConfigError("this model ties its LM head to the embedding, which pipeline stages 0 and "
+                          f"{num_stages - 1} would both need; use an untied preset (tiny-llama, llama2-7b) "
+                          "or --strategy tensor")
+    layers = split_layers(model.config.num_hidden_layers, num_stages)[stage]
+    return LlamaStage(model, layers, first=stage == 0, last=stage == num_stages - 1)
+
+
+def build_schedule(stage_module: nn.Module, group, *, schedule: str, microbatches: int, loss_fn,
+                   device: torch.device):
+    """A `PipelineStage` around `stage_module` and its GPipe / 1F1B schedule (scale_grads=False:
+    `loss_fn` itself divides by the number of micro-batches, so gradient accumulation stays exact)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    if schedule not in classes:
+        raise ConfigError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(classes)}")
+    pipe_stage = PipelineStage(stage_module, dist.get_rank(group), dist.get_world_size(group), device, group=group)
+    return pipe_stage, classes[schedule](pipe_stage, microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+# ------------------------------------------------------------------------------ measuring the schedule
+class ScheduleTrace:
+    """Records which micro-batch the stage computes when: (kind 'F'/'B', micro-batch, t0, t1).
+
+    Wraps the stage's `forward_one_chunk` / `backward_one_chunk`, which every schedule calls; times
+    are `time.perf_counter()` (one monotonic clock for all processes of a machine).
+    """
+
+    def __init__(self, pipe_stage):
+        self.steps: list[list[tuple]] = []
+        self.recording = False  # off in evaluation (whose schedules call backward_one_chunk as a no-op)
+        self.submod = pipe_stage.submod
+        for kind, attr in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+            setattr(pipe_stage, attr, self._timed(kind, getattr(pipe_stage, attr)))
+
+    def _timed(self, kind: str, fn):
+        def run(chunk_id, *args, **kwargs):
+            if kind == "F":
+                _let_memory_tracker_see(self.submod)
+            t0 = time.perf_counter()
+            out = fn(chunk_id, *args, **kwargs)
+            if self.recording:
+                self.steps[-1].append((kind, int(chunk_id), t0, time.perf_counter()))
+            return out
+        return run
+
+    def begin_step(self) -> None:
+        """Start recording one schedule run (one `schedule.step`)."""
+        self.steps.append([])
+        self.recording = True
+
+    def end_step(self) -> None:
+        self.recording = False
+
+
+def _let_memory_tracker_see(stage_module: nn.Module) -> None:
+    """Before each micro-batch forward: let the harness's CPU MemTracker (active in one warm-up step)
+    follow a pipeline schedule.
+
+    MemTracker takes a second forward of a ROOT module for the next iteration and raises; resetting
+    all its stats (what the loop does per micro-batch) would drop the entries that the still-pending
+    backwards of earlier micro-batches look up. Dropping only the root's entry makes the next forward
+    a fresh root call while the layers keep theirs. Uses MemTracker internals (torch 2.14): the
+    harness has no hook for schedules that interleave micro-batches -- reported to its owner.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, MemTracker):
+            mode.memory_tracking.pop(stage_module, None)
+
+
+# ------------------------------------------------------------------------------------------ hook
+def microbatches_for(cfg, stages: int) -> int:
+    """--microbatches M, or by default 2 x stages (bubble (p-1)/(3p-1): 1/5 on 2 stages)."""
+    return getattr(cfg, "microbatches", None) or 2 * stages
+
+
+def _flat():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class PipelineStrategy(Strategy):
+    """Hook for 'pipeline-gpipe' / 'pipeline-1f1b': every rank is one stage, no data parallelism.
+
+    Every rank reads the whole batch (dp_size 1); stage 0 feeds the inputs, the last stage the targets
+    and returns the loss (None elsewhere, which the loop expects). Gradients need no all-reduce: each
+    parameter lives on one stage only.
+    """
+
+    def __init__(self, name, ctx, cfg, task):
+        super().__init__(name, ctx, cfg, task)
+        self.dp_rank, self.dp_size = 0, 1
+        self.schedule_name = SCHEDULES[name]
+        self.microbatches = microbatches_for(cfg, ctx.world_size)
+        self.pipe_stage = self.schedule = self.trace = None
+        self.full_params = self.embed_params = 0
+        self.gathered: list[list[list[tuple]]] = []
+
+    @classmethod
+    def dp_size_for(cls, cfg, world_size: int) -> int:
+        return 1
+
+    @classmethod
+    def check(cls, cfg, world_size: int) -> None:
+        from labkit.models import llm_config
+
+        if cfg.kind != "llm":
+            raise ConfigError(f"strategy {cfg.strategy!r} splits a transformer by layers; {cfg.model!r} is not "
+                              "an LLM: use --model tiny-llama (or a Llama preset / checkpoint)")
+        if cfg.amp == "fp16":
+            raise ConfigError("pipeline strategies run --amp bf16 or none: fp16 loss scaling would need its "
+                              "overflow check agreed across stages; use --amp bf16")
+        split_layers(llm_config(cfg.model).num_hidden_layers, world_size)
+        m = microbatches_for(cfg, world_size)
+        if cfg.strategy == "pipeline-1f1b" and m < world_size:
+            raise ConfigError(f"1F1B needs at least as many micro-batches as stages: --microbatches {m} < "
+                              f"{world_size} stages; use --microbatches {world_size} or more")
+        if cfg.batch % (m * cfg.accum):
+            raise ConfigError(f"global batch {cfg.batch} does not split into {cfg.accum} x {m} pipeline "
+                              f"micro-batches; choose --batch as a multiple of {m * cfg.accum}")
+        super().check(cfg, world_size)
+
+    def build_model(self) -> nn.Module:
+        # Built on the host; only this rank's stage moves to the device in `wrap`.
+        from labkit.models import build_model
+        model = build_model(self.cfg.model, seed=self.cfg.seed)
+        self.full_params = sum(p.numel() for p in model.parameters())
+        self.embed_params = model.get_input_embeddings().weight.numel()
+        return model
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        stage = apply_pipeline(model, self.ctx.group, cfg=self.cfg).to(self.ctx.device)
+        accum, m = self.cfg.accum, self.microbatches
+
+        def loss_fn(logits, targets):  # (B/m, T, V) logits; mean over all m x accum micro-batches
+            return self.task.criterion(logits, targets) / (m * accum)
+
+        self.pipe_stage, self.schedule = build_schedule(stage, self.ctx.group, schedule=self.schedule_name,
+                                                        microbatches=m, loss_fn=loss_fn, device=self.ctx.device)
+        self.trace = ScheduleTrace(self.pipe_stage)
+        return stage
+
+    def _run(self, inputs, targets, losses: list | None, *, train: bool):
+        args = (inputs,) if self.pipe_stage.is_first else ()
+        target = targets if self.pipe_stage.is_last else None
+        with self.precision.autocast():
+            if train:
+                return self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            return self.schedule.eval(*args, target=target, losses=losses)
+
+    def train_step(self, micro_batches: list, loss_fn):
+        self.optimizer.zero_grad(set_to_none=True)
+        total = None  # the schedule drives the forward; the loop's `loss_fn` (model -> loss) does not apply
+        for inputs, targets in micro_batches:  # --accum chunks, each cut into m pipeline micro-batches
+            losses: list = []
+            self.trace.begin_step()
+            self._run(inputs, targets, losses, train=True)
+            self.trace.end_step()
+            if losses:
+                part = torch.stack([x.detach() for x in losses]).sum()
+                total = part if total is None else total + part
+        self.optimizer_step()
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, batches: list) -> dict | None:
+        self.model.eval()
+        loss_sum, correct, count = 0.0, 0, 0
+        try:
+            for inputs, targets in batches:
+                logits = self._run(inputs, targets, None, train=False)
+                if logits is not None:  # last stage: merged (B, T, V)
+                    n = targets.numel()
+                    loss_sum += float(self.task.criterion(logits, targets)) * n
+                    correct += int((logits.argmax(-1) == targets).sum())
+                    count += n
+        finally:
+            self.model.train()
+        return {"loss_sum": loss_sum, "correct": correct, "count": count} if count else None
+
+    def state_dict(self) -> dict:
+        # Stages hold different parameters: flatten the optimizer's param_groups per parameter FQN
+        # (torchtitan does the same), else DCP merges every stage's group 0 into one entry.
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_flat())
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=_flat())
+
+    def resident_bytes(self):
+        # Every rank calls this once at the end of the run: the one point where all stages can
+        # exchange their schedule traces (record_extra runs on rank 0 alone).
+        import torch.distributed as dist
+        self.gathered = [None] * self.ctx.world_size
+        dist.all_gather_object(self.gathered, self.trace.steps, group=self.ctx.group)
+        return super().resident_bytes()
+
+    def trainable_params(self) -> int:
+        return self.full_params  # the whole model's, as for the other strategies
+
+    def flops_per_step(self, global_tokens: int) -> float | None:
+        return 6.0 * (self.full_params - self.embed_params) * global_tokens
+
+    def record_extra(self) -> dict:
+        return {"pp": self.ctx.world_size, "schedule": self.schedule_name, "microbatches": self.microbatches,
+                "stage_layers": split_layers(self.model.config.num_hidden_layers, self.ctx.world_size),
+                **schedule_facts(self.gathered, self.ctx.world_size, self.microbatches, skip=2 * self.cfg.accum)}
+
+def schedule_facts(gathered: list[list[list[tuple]]], stages: int, microbatches: int, skip: int = 2) -> dict:
+    """Bubble (theory vs measured: median over the schedule runs after the first `skip` warm-up
+    runs), in-flight micro-batches per stage and the last run's events (the schedule diagram).
+    `gathered[rank]` is that stage's `ScheduleTrace.steps` (one list per schedule run)."""
+    steps = min(len(g) for g in gathered) if gathered else 0
+    if not steps:
+        return {"bubble_theory": bubble_fraction(stages, microbatches)}
+    per_step = [events_of([g[i] for g in gathered]) for i in range(steps)]
+    measured = [statistics.mean(measured_bubble(ev)) for ev in per_step]
+    kept = measured[skip:] or measured
+    last = per_step[-1]
+    return {"bubble_theory": bubble_fraction(stages, microbatches), "bubble_measured": statistics.median(kept),
+            "bubble_per_stage": [round(b, 4) for b in measured_bubble(last)],
+            "max_in_flight": max_in_flight(last), "schedule_trace": last}
+
+
+STRATEGY_CLASSES = {name: PipelineStrategy for name in SCHEDULES}
+
+
+# ------------------------------------------------------------------------------ several runs, one launch
+def run_together(strategies, model: str, *, nproc: int = 2, stream: bool = False, **options) -> list:
+    """Train `model` with each strategy in turn inside ONE torchrun launch: the same loop and
+    RunRecords as `labkit train`, one process start-up instead of several (notebook 07 runs GPipe,
+    1F1B and tensor-fsdp this way). `options` are TrainConfig fields shared by all runs."""
+    from labkit import launch, parallel
+    from labkit.profiles import get_profile
+    from labkit.train.api import make_config, record_of
+
+    cfgs = [make_config(name, model, nproc=nproc, **options) for name in strategies]
+    args = [a for cfg in cfgs for a in ("--config-json", cfg.to_json())]
+    env = {k: v for cfg in cfgs for k, v in parallel.strategy_class(cfg.strategy).launch_env(cfg).items()}
+    launch.run("labkit.parallel.pipeline", args, nproc=nproc, stream=stream, env=env,
+               timeout_s=len(cfgs) * get_profile(cfgs[0].profile).timeout_s)
+    return [record_of(cfg.out, cfg.run_id) for cfg in cfgs]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Per-rank entry point of `run_together`: one process group, the loop once per config."""
+    import argparse
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from labkit.train.config import TrainConfig
+    from labkit.train.loop import train
+    from labkit.train.worker import init_distributed
+
+    parser = argparse.ArgumentParser(prog="labkit.parallel.pipeline")
+    parser.add_argument("--config-json", action="append", required=True, help="a resolved TrainConfig as JSON")
+    cfgs = [TrainConfig.from_json(text) for text in parser.parse_args(argv).config_json]
+
+    @record
+    def run_all() -> None:
+        ctx = init_distributed(cfgs[0])
+        try:
+            for cfg in cfgs:
+                train(cfg, ctx)
+        finally:
+            dist.destroy_process_group()
+
+    run_all()
+
+
+if __name__ == "__main__":
+    main()

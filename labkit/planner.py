@@ -1,0 +1,304 @@
+"""3-D parallelism planner: which (dp, tp, pp, ZeRO stage, micro-batches) trains MODEL on N GPUs?
+
+Pure Python, no torch. For every layout that is valid it asks the memory estimator
+(`labkit.memory.estimate`, the ZeRO paper's accounting) for bytes per GPU, adds a communication and
+bubble model, and ranks the layouts that fit by estimated step time. Invalid layouts are kept with
+the reason (`check_layout`), so "TP=8, PP=8, DP=8 on 64 GPUs" answers "tp(8) * pp(8) * dp(8) = 512
+!= gpus(64)".
+
+Rules (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", Sec. 3 "takeaways"):
+- TP inside a node: its all-reduces are on the critical path of every layer, so tp <= GPUs per node
+  (NVLink); a larger tp is rejected.
+- PP across nodes: only activations of one micro-batch cross a stage boundary (point-to-point).
+- DP outermost; ZeRO-1 (the distributed optimizer) composes with PP; ZeRO-2/3 do not (DeepSpeed
+  refuses them with pipeline parallelism: gradients/params are needed by every micro-batch), so with
+  pp > 1 only stages 0 and 1 are enumerated.
+
+Time model (per optimizer step, bf16, no overlap -- a pessimistic but comparable number):
+  compute = (8 with full activation recomputation, else 6) x P x tokens / (N x peak)
+  pipeline = compute / (1 - bubble), bubble = (p - 1) / (m + p - 1)
+  TP  = 6 all-reduces per layer and micro-batch (2 fwd + 2 bwd + 2 recompute), 2 (t-1)/t x b*s*h*2 B each, NVLink
+  PP  = 2 sends per micro-batch of b*s*h*2 / t bytes (scatter-gather, Sec. 4.1), network if a pipeline spans nodes
+  DP  = gradient all-reduce 2 (d-1)/d x 2 B x params on the GPU (ZeRO-3: (2m + 1) (d-1)/d: params re-gathered
+        for each micro-batch's forward and backward), network when the job spans nodes
+Introduced in notebook 07_model_parallel.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from labkit import presets
+from labkit.errors import ConfigError, choices_error
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU model: memory and the two bandwidths the planner uses (per GPU, per direction)."""
+
+    memory_gb: float
+    """HBM in GB (10^9 B), as the profiles count it."""
+    peak_tflops: float
+    """Dense bf16 (V100: fp16) tensor-core peak."""
+    nvlink_gbs: float
+    """NVLink bandwidth inside a node, GB/s per direction."""
+    network_gbs: float
+    """Inter-node bandwidth per GPU, GB/s (one InfiniBand NIC per GPU as in DGX nodes)."""
+
+
+#: Data sheets: A100 NVLink3 600 GB/s bidirectional, HDR 200 Gb/s; H100 NVLink4 900, NDR 400 Gb/s;
+#: V100 NVLink2 300, EDR 100 Gb/s.
+GPUS = {
+    "a100-80gb": GpuSpec(80.0, 312.0, 300.0, 25.0),
+    "a100-40gb": GpuSpec(40.0, 312.0, 300.0, 25.0),
+    "h100-80gb": GpuSpec(80.0, 989.0, 450.0, 50.0),
+    "v100-32gb": GpuSpec(32.0, 125.0, 150.0, 12.5),
+}
+#: Share of HBM the plan may fill: the rest is CUDA context, NCCL buffers and fragmentation,
+#: which the estimator does not count.
+USABLE = 0.9
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan for. `batch` is the GLOBAL batch in sequences (default 8 per GPU)."""
+
+    model: str
+    gpus: int
+    gpus_per_node: int
+    gpu: str = "a100-80gb"
+    batch: int | None = None
+    seq: int | None = None
+    """Tokens per sequence; default min(model context, 2048)."""
+    checkpointing: str = "full"
+    """Activation recomputation assumed for every layout: 'full', 'selective' or 'none'."""
+    usable: float = USABLE
+
+    def __post_init__(self) -> None:
+        presets.model_kind(self.model)  # ConfigError listing valid presets
+        if presets.model_kind(self.model) == "vision":
+            raise ConfigError(f"the planner splits transformers; {self.model!r} is a vision model: use an LLM or "
+                              "GPT preset such as gpt3-175b or llama2-7b")
+        if self.gpu not in GPUS:
+            raise choices_error("gpu", self.gpu, GPUS)
+        for name in ("gpus", "gpus_per_node", "batch", "seq"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name}={value!r}; it must be a positive integer")
+        if self.gpus % self.gpus_per_node and self.gpus > self.gpus_per_node:
+            raise ConfigError(f"gpus={self.gpus} is not a whole number of nodes of {self.gpus_per_node}; "
+                              f"use a multiple of {self.gpus_per_node}")
+        if self.batch is None:
+            object.__setattr__(self, "batch", 8 * self.gpus)
+        if self.seq is None:
+            object.__setattr__(self, "seq", min(_arch(self.model)["max_position_embeddings"], 2048))
+
+    @property
+    def spec(self) -> GpuSpec:
+        return GPUS[self.gpu]
+
+    @property
+    def capacity_bytes(self) -> float:
+        return self.spec.memory_gb * 1e9 * self.usable
+
+
+@dataclass(frozen=True)
+class Option:
+    """One layout with its memory, communication, bubble and time estimates."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    microbatches: int
+    micro_batch: int
+    memory_bytes: int
+    fits: bool
+    bubble: float
+    comm_s: dict = field(default_factory=dict)
+    """Seconds per step by dimension: tp, pp, dp."""
+    comm_bytes: dict = field(default_factory=dict)
+    """Bytes each GPU sends per step by dimension."""
+    compute_s: float = 0.0
+    step_s: float = 0.0
+    mfu: float = 0.0
+    """6 P tokens / (N peak step_s): the model-FLOPs utilization this layout could reach at best."""
+
+    @property
+    def layout(self) -> str:
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero} m={self.microbatches}"
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "layout": self.layout, "memory_gb": round(self.memory_bytes / 1e9, 2)}
+
+
+def _arch(model: str) -> dict:
+    return dict(presets.LLM_PRESETS.get(model) or presets.GPT_PRESETS[model])
+
+
+def check_layout(req: PlanRequest, dp: int, tp: int, pp: int, zero: int = 0) -> None:
+    """ConfigError naming why (dp, tp, pp, zero) cannot run `req`; returns None when it can."""
+    from labkit.memory.estimate import check_topology
+
+    check_topology(dp, tp, pp, req.gpus)  # "tp(8) * pp(8) * dp(8) = 512 != gpus(64)"
+    arch = _arch(req.model)
+    if tp > req.gpus_per_node:
+        raise ConfigError(f"tp={tp} > {req.gpus_per_node} GPUs per node: a tensor-parallel group all-reduces "
+                          "inside every layer and must sit on one node's NVLink; use tp <= "
+                          f"{req.gpus_per_node} and put the rest into pp or dp")
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        if key in arch and arch[key] % tp:
+            raise ConfigError(f"tp={tp} does not divide {key}={arch[key]}: every rank needs whole heads")
+    if pp > arch["num_hidden_layers"]:
+        raise ConfigError(f"pp={pp} > {arch['num_hidden_layers']} layers: every stage needs at least one layer")
+    if pp > 1 and zero >= 2:
+        raise ConfigError(f"zero={zero} with pp={pp}: ZeRO-2/3 shard gradients/parameters that every "
+                          "micro-batch of a pipeline needs (DeepSpeed refuses it); use zero 0 or 1 with pp > 1")
+    if dp == 1 and zero:
+        raise ConfigError(f"zero={zero} with dp=1 shards over one rank and saves nothing; use zero 0")
+    if req.batch % dp:
+        raise ConfigError(f"global batch {req.batch} does not split over dp={dp}; use a multiple of {dp}")
+
+
+def _comm(req: PlanRequest, o: dict, params_on_gpu: float) -> tuple[dict, dict]:
+    """Bytes per GPU per step and seconds, by dimension (see the module docstring)."""
+    arch, spec = _arch(req.model), req.spec
+    dp, tp, pp, m, b = o["dp"], o["tp"], o["pp"], o["microbatches"], o["micro_batch"]
+    act = b * req.seq * arch["hidden_size"] * 2  # one micro-batch's (b, s, h) activation in bf16
+    layers = math.ceil(arch["num_hidden_layers"] / pp)
+    per_layer = 6 if req.checkpointing == "full" else 4
+    tp_bytes = per_layer * layers * m * 2 * (tp - 1) / tp * act
+    pp_bytes = 2 * m * act / tp if pp > 1 else 0.0
+    grads = 2 * params_on_gpu
+    dp_factor = (2 * m + 1) * (dp - 1) / dp if o["zero"] == 3 else 2 * (dp - 1) / dp
+    dp_bytes = dp_factor * grads
+    crosses = req.gpus > req.gpus_per_node
+    pp_bw = spec.network_gbs if (crosses and tp * pp > req.gpus_per_node) else spec.nvlink_gbs
+    dp_bw = spec.network_gbs if crosses else spec.nvlink_gbs
+    sent = {"tp": int(tp_bytes), "pp": int(pp_bytes), "dp": int(dp_bytes)}
+    secs = {"tp": tp_bytes / (spec.nvlink_gbs * 1e9), "pp": pp_bytes / (pp_bw * 1e9), "dp": dp_bytes / (dp_bw * 1e9)}
+    return sent, secs
+
+
+def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch: int) -> Option:
+    """Memory (estimator), communication, bubble and step time of one valid layout."""
+    from labkit.memory.estimate import MemoryConfig, estimate, spec_of
+
+    per_replica = req.batch // dp
+    m = per_replica // micro_batch
+    cfg = MemoryConfig(model=req.model, precision="mixed-bf16", zero=zero, dp=dp, tp=tp, pp=pp, gpus=req.gpus,
+                       batch=per_replica, grad_accum=m, seq=req.seq, checkpointing=req.checkpointing,
+                       sequence_parallel=tp > 1)
+    est = estimate(cfg)
+    params = spec_of(cfg).params
+    share = est.weights / 2 / params * (dp if zero == 3 else 1)  # weights are 2 B/param before ZeRO-3
+    o = dict(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m, micro_batch=micro_batch)
+    sent, secs = _comm(req, o, share * params)
+    bubble = (pp - 1) / (m + pp - 1)
+    tokens = req.batch * req.seq
+    flops = 6 * params * tokens
+    factor = 8 / 6 if req.checkpointing == "full" else 1.0
+    compute = factor * flops / (req.gpus * req.spec.peak_tflops * 1e12)
+    step = compute / (1 - bubble) + sum(secs.values())
+    return Option(**o, memory_bytes=est.total, fits=est.total <= req.capacity_bytes, bubble=round(bubble, 4),
+                  comm_s={k: round(v, 4) for k, v in secs.items()}, comm_bytes=sent, compute_s=round(compute, 4),
+                  step_s=round(step, 4), mfu=round(flops / (req.gpus * req.spec.peak_tflops * 1e12 * step), 4))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every layout of a request: ranked options that fit, those that do not, and rejected ones."""
+
+    request: PlanRequest
+    fits: list
+    too_big: list
+    rejected: list
+    """(dp, tp, pp, reason) for layouts `check_layout` refuses."""
+
+    def to_dict(self, top: int | None = None) -> dict:
+        return {"request": dataclasses.asdict(self.request), "capacity_gb": self.request.capacity_bytes / 1e9,
+                "fits": [o.to_dict() for o in self.fits[:top]], "too_big": [o.to_dict() for o in self.too_big[:top]],
+                "rejected": [dict(dp=d, tp=t, pp=p, reason=r) for d, t, p, r in self.rejected]}
+
+
+def plan(req: PlanRequest) -> Plan:
+    """Enumerate (dp, tp, pp) with dp*tp*pp = gpus, ZeRO stages and micro-batch sizes; rank what fits."""
+    options, rejected = [], []
+    for tp in _divisors(req.gpus):
+        for pp in _divisors(req.gpus // tp):
+            dp = req.gpus // (tp * pp)
+            try:
+                check_layout(req, dp, tp, pp)
+            except ConfigError as exc:
+                rejected.append((dp, tp, pp, str(exc)))
+                continue
+            for zero in range(4):
+                if (zero and dp == 1) or (zero >= 2 and pp > 1):
+                    continue
+                for b in MICRO_BATCH_SIZES:
+                    per_replica = req.batch // dp
+                    if per_replica % b or per_replica // b < (pp if pp > 1 else 1):
+                        continue
+                    options.append(evaluate(req, dp, tp, pp, zero, b))
+    options.sort(key=lambda o: (o.step_s, o.memory_bytes))
+    return Plan(req, [o for o in options if o.fits], [o for o in options if not o.fits], rejected)
+
+
+def format_plan(p: Plan, top: int = 10) -> str:
+    """A text table of the best `top` layouts that fit, then why the others do not."""
+    r = p.request
+    head = (f"{r.model} on {r.gpus} x {r.gpu} ({r.gpus // r.gpus_per_node or 1} node(s) x {r.gpus_per_node}), "
+            f"global batch {r.batch} x {r.seq} tokens, usable {r.capacity_bytes / 1e9:.0f} GB/GPU")
+    cols = f"{'rank':>4} {'dp':>3} {'tp':>3} {'pp':>3} {'zero':>4} {'m':>4} {'b':>2} {'GB/GPU':>7} {'bubble':>6} " \
+           f"{'tp_s':>6} {'pp_s':>6} {'dp_s':>6} {'step_s':>7} {'mfu':>5}"
+    lines = [head, cols]
+    for i, o in enumerate(p.fits[:top], 1):
+        lines.append(f"{i:>4} {o.dp:>3} {o.tp:>3} {o.pp:>3} {o.zero:>4} {o.microbatches:>4} {o.micro_batch:>2} "
+                     f"{o.memory_bytes / 1e9:>7.1f} {o.bubble:>6.3f} {o.comm_s['tp']:>6.2f} {o.comm_s['pp']:>6.2f} "
+                     f"{o.comm_s['dp']:>6.2f} {o.step_s:>7.2f} {o.mfu:>5.2f}")
+    if not p.fits:
+        lines.append("   (no layout fits: more GPUs, a bigger GPU, or a smaller batch / sequence)")
+    lines.append(f"{len(p.fits)} layout(s) fit, {len(p.too_big)} exceed {r.capacity_bytes / 1e9:.0f} GB, "
+                 f"{len(p.rejected)} rejected:")
+    for dp, tp, pp, reason in p.rejected[:8]:
+        lines.append(f"  dp={dp} tp={tp} pp={pp}: {reason}")
+    if len(p.rejected) > 8:
+        lines.append(f"  ... and {len(p.rejected) - 8} more (--json lists all)")
+    return "\n".join(lines)
+
+
+def planner_widget(model: str = "gpt3-175b", gpus: int = 64, gpus_per_node: int = 8, gpu: str = "a100-80gb"):
+    """An ipywidgets form around `plan`: change the model, GPU count or batch and the ranking updates."""
+    import ipywidgets as w
+
+    models = [m for m in (*presets.LLM_PRESETS, *presets.GPT_PRESETS)]
+    controls = dict(
+        model=w.Dropdown(options=models, value=model, description="model"),
+        gpus=w.BoundedIntText(value=gpus, min=1, max=16384, description="GPUs"),
+        gpus_per_node=w.BoundedIntText(value=gpus_per_node, min=1, max=64, description="per node"),
+        gpu=w.Dropdown(options=list(GPUS), value=gpu, description="GPU"),
+        batch=w.BoundedIntText(value=0, min=0, max=1 << 20, description="batch (0=auto)"),
+        top=w.BoundedIntText(value=8, min=1, max=100, description="show"),
+    )
+    out = w.Output()
+
+    def show(model, gpus, gpus_per_node, gpu, batch, top):
+        try:
+            req = PlanRequest(model=model, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, batch=batch or None)
+            result = plan(req)
+            text = format_plan(result, top=top)
+        except ConfigError as exc:
+            text = f"error: {exc}"
+        out.clear_output()
+        with out:
+            print(text)
+
+    w.interactive_output(show, controls)
+    return w.VBox([w.HBox(list(controls.values())[:3]), w.HBox(list(controls.values())[3:]), out])
