@@ -1,0 +1,401 @@
+"""DeepSpeed ZeRO stages 1, 2, 3 and ZeRO-3 with CPU offload.
+
+Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models":
+with N data-parallel ranks, stage 1 (P_os) partitions the optimizer states, stage 2 (P_os+g) also the
+gradients, stage 3 (P_os+g+p) also the parameters, so model-state bytes per rank fall from
+(2 + 2 + K) Psi to (2 + 2 + K) Psi / N. Stages 1-2 communicate like DDP (reduce-scatter + all-gather
+= 2 (N-1)/N Psi per rank); stage 3 adds a parameter all-gather in backward (3 (N-1)/N Psi, Sec. 7).
+ZeRO-Offload (Ren et al. 2021) keeps the fp32 master weights and Adam moments in host memory and
+steps them with DeepSpeedCPUAdam; `zero3-offload` also offloads the parameter partitions.
+
+`deepspeed.initialize` turns the model into an engine; the engine's optimizer owns the flat
+partitions. The JSON config is written to OUT/ds_config_<strategy>.json: it is a complete DeepSpeed
+config (optimizer included) that works with the `deepspeed` launcher and HF Trainer too.
+Introduced in notebook 05_zero.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from labkit.errors import ConfigError
+from labkit.parallel import loading
+from labkit.parallel.single import Strategy
+from labkit.train.metrics import ResidentBytes
+
+#: registry name -> (ZeRO stage, offload to CPU)
+VARIANTS = {"zero1": (1, False), "zero2": (2, False), "zero3": (3, False), "zero3-offload": (3, True)}
+
+
+# ------------------------------------------------------------------------------------------ config
+def _bucket_sizes(hidden: int | None, numel: int, prefetch: bool) -> dict:
+    """Bucket and threshold sizes as transformers' DeepSpeed integration fills its "auto" values
+    (reduce bucket hidden^2, prefetch 0.9 hidden^2, persistence 10 hidden). DeepSpeed's own defaults
+    (5e8-element buckets, 1e5 persistence) would allocate a 2 GB fp32 bucket per rank and, on the tiny
+    smoke model whose tensors are all < 1e5 elements, partition nothing at stage 3.
+
+    Stage-3 release: DeepSpeed keeps a gathered parameter if it is used again within
+    stage3_max_reuse_distance (default 1e9) parameters -- for any model below 1e9 parameters that is
+    all of them, from forward to backward (ZeRO-2 memory); 0 releases each layer after use, as the
+    paper's P_os+g+p. Prefetching overlaps all-gathers with GPU compute; there is nothing to overlap
+    on CPU/gloo, and its bookkeeping keeps parameters it skipped as available gathered (measured:
+    the whole tiny model), so CPU runs switch it off.
+    """
+    h2 = hidden * hidden if hidden else min(numel, 50_000_000)
+    return {"reduce_bucket_size": h2, "allgather_bucket_size": h2,
+            "stage3_prefetch_bucket_size": int(0.9 * h2) if prefetch else 0,
+            "stage3_param_persistence_threshold": 10 * hidden if hidden else 100_000,
+            "stage3_max_reuse_distance": 0}
+
+
+def ds_config(cfg, stage: int, offload: bool, *, dp: int, hidden: int | None, numel: int,
+              gpu: bool = False) -> dict:
+    """The DeepSpeed JSON config of one run (a resolved TrainConfig `cfg`).
+
+    The optimizer matches the harness's AdamW (betas 0.9/0.999, eps 1e-8, no weight decay) so losses
+    compare with ddp: `torch_adam` makes DeepSpeed use torch.optim.AdamW; with offload DeepSpeed
+    always uses its own DeepSpeedCPUAdam (a C++ op built on first use).
+    """
+    if cfg.batch % (dp * cfg.accum):
+        raise ConfigError(f"global batch {cfg.batch} does not split into {dp} ranks x {cfg.accum} micro-batches")
+    buckets = _bucket_sizes(hidden, numel, prefetch=gpu)
+    zero = {"stage": stage, "overlap_comm": False, "contiguous_gradients": True,
+            "reduce_bucket_size": buckets["reduce_bucket_size"]}
+    if stage < 3:
+        zero["allgather_bucket_size"] = buckets["allgather_bucket_size"]
+    else:
+        zero.update({k: v for k, v in buckets.items() if k.startswith("stage3")},
+                    stage3_gather_16bit_weights_on_model_save=True)
+    if offload:
+        # Pinned (page-locked) host memory speeds up copies to the GPU; pinning needs the CUDA driver.
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": gpu}
+        zero["offload_param"] = {"device": "cpu", "pin_memory": gpu}
+    adam = {"lr": cfg.lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    if not offload:
+        adam["torch_adam"] = True
+    return {
+        "train_batch_size": cfg.batch,
+        "train_micro_batch_size_per_gpu": cfg.batch // dp // cfg.accum,
+        "gradient_accumulation_steps": cfg.accum,
+        "optimizer": {"type": "AdamW", "params": adam},
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.amp == "bf16"},
+        "fp16": {"enabled": cfg.amp == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 1_000_000_000,
+        "wall_clock_breakdown": False,
+    }
+
+
+def write_config(config: dict, out: str | os.PathLike, strategy: str) -> Path:
+    """Write `config` to OUT/ds_config_<strategy>.json (call on rank 0) and return the path."""
+    path = Path(out) / f"ds_config_{strategy}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def import_deepspeed(device: torch.device):
+    """`import deepspeed`, checking it picked the accelerator of `device` (DS_ACCELERATOR=cpu on CPU)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().device_name()
+    if device.type == "cpu" and name != "cpu":
+        raise ConfigError(f"DeepSpeed chose accelerator {name!r} on a CPU run: set DS_ACCELERATOR=cpu in the "
+                          "environment BEFORE deepspeed is imported (`labkit train` does this for zero*)")
+    return deepspeed
+
+
+def apply_zero(model: nn.Module, group, *, cfg, config: dict):
+    """`deepspeed.initialize` over the already-initialised process group; returns (engine, optimizer).
+
+    DeepSpeed finds the torch.distributed group torchrun set up (gloo on CPU, nccl on GPUs) and
+    partitions at construction: ZeRO-3 replaces each parameter's data by a 1/N `ds_tensor` shard.
+    """
+    if group is None:
+        raise ConfigError(f"{cfg.strategy} needs a process group: launch with --nproc N (torchrun)")
+    deepspeed = import_deepspeed(next(model.parameters()).device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+    return engine, optimizer
+
+
+# ------------------------------------------------------------------------------------------ accounting
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor inside nested lists / tuples / dicts (DeepSpeed keeps its partitions in those)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    return []
+
+
+def ds_param_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """What holds parameter values: the 1/N `ds_tensor` partitions (stage 3) plus any gathered or
+    persistent full tensors; at stages 1-2 the params are views of one flat buffer."""
+    out = []
+    for p in module.parameters():
+        if hasattr(p, "ds_tensor"):
+            out.append(p.ds_tensor)
+        if p.data.numel():
+            out.append(p.data)
+    return out
+
+
+def ds_grad_tensors(module: nn.Module, optimizer) -> list[torch.Tensor]:
+    """Gradient storage: per-param `.grad` (full, until reduced) and DeepSpeed's partition buffers."""
+    found = [p.grad for p in module.parameters() if p.grad is not None]
+    for attr in ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer"):
+        found += _tensors(getattr(optimizer, attr, None))
+    for bucket in getattr(optimizer, "ipg_buckets", {}).values():  # reduce staging buffers
+        found += _tensors(getattr(bucket, "buffer", None))
+    for flat in _master_partitions(optimizer):
+        if flat.grad is not None:
+            found.append(flat.grad)
+    return found
+
+
+def _master_partitions(optimizer) -> list[torch.Tensor]:
+    """The fp32 master partitions the inner optimizer steps (stage 1-2 / stage 3 attribute names)."""
+    return _tensors(getattr(optimizer, "single_partition_of_fp32_groups", None)) + \
+        _tensors(getattr(optimizer, "fp32_partitioned_groups_flat", None))
+
+
+def ds_optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    """fp32 master partitions + the inner optimizer's states (Adam moments) on them."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return _master_partitions(optimizer) + [v for s in inner.state.values() for v in _tensors(s)]
+
+
+def count_bytes(groups: list[list[torch.Tensor]], device: torch.device) -> list[tuple[int, int]]:
+    """(bytes on `device`, bytes elsewhere) per group, each storage counted once, in the FIRST group
+    that holds it (a buffer shared by parameters and optimizer counts as parameters)."""
+    seen, out = set(), []
+    for tensors in groups:
+        here = away = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            key = (t.device, storage.data_ptr())
+            if t.device.type == "meta" or key in seen or storage.nbytes() == 0:
+                continue
+            seen.add(key)
+            if t.device.type == device.type:
+                here += storage.nbytes()
+            else:
+                away += storage.nbytes()
+        out.append((here, away))
+    return out
+
+
+def comm_bytes_per_step(stage: int, param_bytes: int, n: int) -> dict[str, int]:
+    """Bytes each rank sends per step (ring, (n-1)/n x size per collective; ZeRO paper Sec. 7.2).
+
+    Stages 1-2: reduce-scatter the gradients, all-gather the updated parameters (= DDP's all-reduce).
+    Stage 3: parameters are all-gathered in forward AND in backward: 1.5x data parallelism.
+    """
+    ring = int((n - 1) / n * param_bytes)
+    return {"reduce_scatter": ring, "all_gather": ring * (2 if stage == 3 else 1)}
+
+
+# ------------------------------------------------------------------------------------------ estimate
+#: registry name -> the `labkit.memory.MemoryConfig` fields describing its model states (FSDP by the
+#: ZeRO stage its sharding strategy equals, Zhao et al. 2023 Sec. 3.2.2).
+ESTIMATE_FIELDS = {
+    "single": dict(zero=0), "ddp": dict(zero=0), "fsdp": dict(zero=3), "fsdp-grad-op": dict(zero=2),
+    "fsdp-no-shard": dict(zero=0), "fsdp-hybrid": dict(zero=3), "fsdp-offload": dict(zero=3),
+    "zero1": dict(zero=1), "zero2": dict(zero=2), "zero3": dict(zero=3),
+    "zero3-offload": dict(zero=3, offload="optimizer+params"),
+}
+
+
+def estimate_for(record, *, node_size: int | None = None) -> dict:
+    """`labkit.memory.estimate` for the configuration of a RunRecord: bytes per rank of weights,
+    grads, optimizer, their sum (`model_states`) and host bytes (`cpu`).
+
+    One measured fact the estimator's fp32 row does not contain is added here, visibly
+    (`ds_master_copy`): DeepSpeed always steps a separate fp32 master partition, even for fp32 params
+    (stage_1_and_2.py clones `weights_partition`; stage3.py clones `fp32_partitioned_groups_flat`),
+    so its optimizer holds 4 B more per parameter and rank. Mixed precision already counts a master.
+    FSDP2's CPUOffloadPolicy is not ZeRO-Offload: it keeps exactly the ZeRO-3 shards (params, grads,
+    optimizer states) on the host and steps them there, with no extra fp32 gradient copy.
+    """
+    from labkit.memory.estimate import MemoryConfig, estimate
+
+    fields = dict(ESTIMATE_FIELDS[record.strategy])
+    if record.strategy == "fsdp-hybrid":
+        fields["zero_group"] = node_size or record.extra.get("mesh_shape", [record.world_size])[-1]
+    deepspeed = record.strategy.startswith("zero")
+    # torch strategies keep fp32 params under autocast / MixedPrecisionPolicy; DeepSpeed casts the model.
+    precision = "fp32" if record.dtype == "float32" or not deepspeed else \
+        {"bfloat16": "mixed-bf16", "float16": "mixed-fp16"}[record.dtype]
+    est = estimate(MemoryConfig(model=record.model, precision=precision, dp=record.world_size, **fields))
+    master = math.ceil(est.trainable_params * 4 / record.world_size) if deepspeed and precision == "fp32" else 0
+    optimizer = est.optimizer + (0 if fields.get("offload") else master)
+    cpu = est.cpu_bytes + (master if fields.get("offload") else 0)
+    parts = {"weights": est.weights, "grads": est.grads, "optimizer": optimizer}
+    if record.strategy == "fsdp-offload":
+        cpu, parts = sum(parts.values()), dict.fromkeys(parts, 0)
+    return {**parts, "cpu": cpu, "model_states": sum(parts.values()), "ds_master_copy": master}
+
+
+def compare_with_estimate(records) -> list[dict]:
+    """One row per record: measured vs estimated bytes per rank (max over ranks). `ratio` compares
+    model states on the device, or for offload runs the host bytes (the estimate keeps only one
+    gathered layer on the GPU, which on a CPU run is the same memory as the host)."""
+    rows = []
+    for r in records:
+        est = estimate_for(r)
+        measured = max(p + g + o for p, g, o in zip(r.param_bytes, r.grad_bytes, r.optimizer_bytes))
+        host = max(r.cpu_offload_bytes or [0])
+        offload = r.strategy.endswith("offload")
+        mine, theirs = (host, est["cpu"]) if offload else (measured, est["model_states"])
+        rows.append(dict(strategy=r.strategy, measured_states=measured, estimated_states=est["model_states"],
+                         measured_cpu=host, estimated_cpu=est["cpu"], ds_master_copy=est["ds_master_copy"],
+                         compared="host bytes" if offload else "model states", ratio=round(mine / theirs, 3)))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ hook
+class ZeroStrategy(Strategy):
+    """DeepSpeed hook: the engine does backward (loss / accum), reduction and the partitioned step."""
+
+    def __init__(self, name, ctx, cfg, task):
+        super().__init__(name, ctx, cfg, task)
+        self.stage, self.offload = VARIANTS[name]
+        self.engine = None
+        self.ds_optimizer = None
+        self.config: dict = {}
+        self.config_path: Path | None = None
+        self._grad_peak = self._param_peak = (0, 0)  # (bytes on device, bytes elsewhere)
+        self._hooks: list = []
+        self._steps = 0
+
+    @classmethod
+    def launch_env(cls, cfg) -> dict[str, str]:
+        from labkit.profiles import get_profile
+        # Must be in the environment before `import deepspeed` (it picks the accelerator at import).
+        return {"DS_ACCELERATOR": "cpu"} if get_profile(cfg.profile).device == "cpu" else {}
+
+    @classmethod
+    def check(cls, cfg, world_size: int) -> None:
+        super().check(cfg, world_size)
+        if cfg.compile:
+            raise ConfigError(f"--compile is not wired for {cfg.strategy}: DeepSpeed compiles through its engine "
+                              "(engine.compile()); drop --compile or use --strategy fsdp")
+
+    def build_model(self) -> nn.Module:
+        if self.task.kind != "llm":
+            return super().build_model()
+        # Rank 0 reads/initialises the model; the others allocate empty and receive a broadcast.
+        model = loading.build_on_rank0(self.cfg.model, self.ctx.rank, seed=self.cfg.seed)
+        return loading.sync_module_states(model, self.ctx.group, self.ctx.device)
+
+    def setup(self) -> None:
+        model = self.parallelize(self.build_model())
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        numel = sum(p.numel() for p in model.parameters())
+        self.config = ds_config(self.cfg, self.stage, self.offload, dp=self.dp_size, hidden=hidden, numel=numel,
+                                gpu=self.ctx.device.type == "cuda")
+        if self.ctx.is_main:
+            self.config_path = write_config(self.config, self.cfg.out, self.name)
+        self.engine, self.ds_optimizer = apply_zero(model, self.ctx.group, cfg=self.cfg, config=self.config)
+        # The loop sees the engine as the model and the torch optimizer DeepSpeed steps on the flat fp32
+        # partitions as the optimizer (a real torch Optimizer, so memory tracking can follow it).
+        self.model = self.engine
+        self.optimizer = getattr(self.ds_optimizer, "optimizer", self.ds_optimizer)
+        self._hooks = [self.engine.module.register_forward_hook(self._after_forward)]
+        if self.stage == 1:
+            # Stage 1 keeps every full .grad until the end of backward, then reduces and frees them
+            # inside engine.backward: only a hook during backward sees that peak. Stages 2-3 reduce
+            # bucket by bucket as gradients appear; their state after backward is what they hold.
+            self._hooks += [p.register_post_accumulate_grad_hook(self._note_grads)
+                            for p in self.engine.module.parameters() if p.requires_grad]
+
+    def _note_grads(self, *_) -> None:
+        if self._steps < 3:  # the loop measures memory in its first steps; skip the cost afterwards
+            (grads,) = count_bytes([ds_grad_tensors(self.engine.module, self.ds_optimizer)], self.ctx.device)
+            self._grad_peak = max(self._grad_peak, grads, key=sum)
+
+    def _after_forward(self, module, args, output) -> None:
+        # What a rank holds between forward and backward (stage 3: partitions + persistent params).
+        if module.training and torch.is_grad_enabled() and self._steps < 3:
+            (held,) = count_bytes([ds_param_tensors(module)], self.ctx.device)
+            self._param_peak = max(self._param_peak, held, key=sum)
+
+    def train_step(self, micro_batches: list, loss_fn):
+        total = None
+        for inputs, targets in micro_batches:
+            loss = loss_fn(self.engine, inputs, targets)
+            self.engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
+            self._note_grads()
+            self.engine.step()  # a no-op except at the accumulation boundary
+            part = loss.detach() / len(micro_batches)
+            total = part if total is None else total + part
+        self._steps += 1
+        return total
+
+    # ------------------------------------------------------------------ accounting
+    def resident_bytes(self) -> ResidentBytes:
+        """Parameter partitions, gradient peak (full .grad before reduction included), fp32 master
+        partitions + optimizer states; with offload, the bytes the config places in host memory."""
+        module = self.engine.module
+        self.engine.empty_partition_cache()  # stage 3: an eval forward leaves parameters gathered
+        params, grads, optim = count_bytes([ds_param_tensors(module), ds_grad_tensors(module, self.ds_optimizer),
+                                            ds_optimizer_tensors(self.ds_optimizer)], self.ctx.device)
+        grads = max(grads, self._grad_peak, key=sum)
+        params = max(params, self._param_peak, key=sum)
+        if self.ctx.device.type == "cpu":
+            offload = sum(params) + sum(grads) + sum(optim) if self.offload else 0
+            return ResidentBytes(sum(params), sum(grads), sum(optim), offload)
+        return ResidentBytes(params[0], grads[0], optim[0], params[1] + grads[1] + optim[1])
+
+    def _numel(self) -> dict[int, int]:
+        return {id(p): getattr(p, "ds_numel", p.numel()) for p in self.engine.module.parameters() if p.requires_grad}
+
+    def trainable_params(self) -> int:
+        return sum(self._numel().values())
+
+    def flops_per_step(self, global_tokens: int) -> float | None:
+        if self.task.kind != "llm":
+            return None
+        embed = self.engine.module.get_input_embeddings().weight
+        return 6.0 * (self.trainable_params() - getattr(embed, "ds_numel", embed.numel())) * global_tokens
+
+    def record_extra(self) -> dict:
+        from deepspeed.accelerator import get_accelerator
+
+        master = count_bytes([ds_param_tensors(self.engine.module), _master_partitions(self.ds_optimizer)],
+                             self.ctx.device)[1]
+        param_bytes = sum(self._numel().values()) * 4 if self.cfg.amp == "none" else sum(self._numel().values()) * 2
+        return dict(zero_stage=self.stage, offload=self.offload, ds_accelerator=get_accelerator().device_name(),
+                    ds_config=str(self.config_path or Path(self.cfg.out) / f"ds_config_{self.name}.json"),
+                    ds_optimizer=type(self.optimizer).__name__, master_copy_bytes=sum(master),
+                    comm_bytes_per_rank=comm_bytes_per_step(self.stage, param_bytes, self.dp_size),
+                    offload_physical=self.offload and self.ctx.device.type != "cpu")
+
+    # ------------------------------------------------------------------ checkpoint / teardown
+    def save_checkpoint(self, path: Path) -> None:
+        # DeepSpeed's own format: one file per rank for the partitions (zero_to_fp32.py consolidates).
+        self.engine.save_checkpoint(str(path), tag="zero", save_latest=False)
+        self._save_rank_state(path)
+
+    def load_checkpoint(self, path: Path) -> None:
+        self.engine.load_checkpoint(str(path), tag="zero")
+        self._load_rank_state(path)
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        if self.engine is not None:
+            self.engine.destroy()
+
+
+STRATEGY_CLASSES = {name: ZeroStrategy for name in VARIANTS}
