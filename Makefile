@@ -11,7 +11,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(BUILD)/torch_extensions
 export MPLBACKEND := Agg
 PYTEST_ARGS ?=
 
-.PHONY: lab test smoke venv kernel clean-notebooks clean bench slides
+.PHONY: lab test smoke venv kernel clean-notebooks clean bench slides chromium
 
 $(BIN)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 1; }
@@ -30,7 +30,7 @@ kernel: venv
 lab: venv
 	$(BIN)/jupyter lab --notebook-dir=notebooks
 
-test: venv
+test: venv chromium
 	mkdir -p $(BUILD)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
@@ -39,6 +39,16 @@ smoke: venv
 
 bench: venv
 	for f in bench/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+
+# Slides are rendered and checked in Debian's headless Chromium (tests/test_slides.py too).
+chromium:
+	@if [ ! -x /usr/bin/chromium ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update && apt-get install -y chromium; \
+	  else echo "error: /usr/bin/chromium is missing: run 'sudo apt-get install -y chromium' (Debian/Ubuntu), then retry"; exit 1; fi; \
+	fi
+
+slides: venv chromium
+	$(BIN)/labkit slides build --out $(BUILD)/slides
 
 clean-notebooks: venv
 	$(BIN)/labkit notebooks clean notebooks/*.ipynb reservations/*.ipynb

@@ -2,11 +2,17 @@
 
 - `memory_stack`: where one GPU's memory goes — stacked weights / grads / optimizer / activations
   bars against GPU capacity lines (notebook 01_memory).
+- The lecture figures of `labkit.figures` (ring all-reduce, ZeRO partitioning, checkpointing,
+  pipeline schedules, tensor splits, 3-D layouts, LoRA), re-exported so notebooks and slides
+  import every course figure from one place.
 """
 from __future__ import annotations
 
 from typing import Mapping
 
+from labkit.figures import (allreduce_traffic, checkpointing_tradeoff, lora_update,  # noqa: F401
+                            parallel_layout, pipeline_schedule, plan_chart, ring_allreduce_steps,
+                            tensor_split, zero_partitioning)
 from labkit.memory.report import GPU_CAPACITIES, PARTS
 
 _COLORS = {"weights": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52"}

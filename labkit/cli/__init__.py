@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "reserve": "reserve",
     "check": "check",
     "grade": "grade",
+    "slides": "slides",
 }
 
 
