@@ -50,6 +50,10 @@ _RENAME = {"deadline_margin": "deadline_margin_s"}
 @click.option("--lora-targets", default="q,v", show_default=True, help="layers LoRA adapts: q,v | q,k,v,o | all-linear")
 @click.option("--lora-parallel", type=click.Choice(["ddp", "fsdp"]), default="ddp", show_default=True,
               help="how lora spreads over --nproc > 1 ranks")
+@click.option("--trace-steps", type=int, default=0, show_default=True,
+              help="record N steps with torch.profiler into OUT/profiles/<run id>/ (docs/profiling.md)")
+@click.option("--trace-with", type=click.Choice(["torch", "nsys"]), default="torch", show_default=True,
+              help="torch: trace files; nsys: only mark the steps for `nsys profile` (GPU)")
 def command(compile_: bool, find_max_batch: bool, memory_budget_mb: float | None, **options) -> None:
     """Train MODEL with STRATEGY and append one record to OUT/results.jsonl."""
     options = {_RENAME.get(k, k): v for k, v in options.items()}

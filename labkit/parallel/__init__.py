@@ -80,6 +80,7 @@ STRATEGIES = MappingProxyType({
     **{n: ("peft", "PEFT") for n in ("lora", "qlora")},
     **{n: ("pipeline", "model-parallel") for n in ("pipeline-gpipe", "pipeline-1f1b")},
     **{n: ("tensor", "model-parallel") for n in ("tensor", "tensor-fsdp")},
+    **{n: ("stack", "profiling and stacking") for n in ("fsdp-qlora", "fsdp-qlora-offload")},
 })
 
 _LAZY = {"Strategy", "DistContext", "ResidentBytes"}

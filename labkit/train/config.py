@@ -99,6 +99,10 @@ class TrainConfig:
     """Linear layers LoRA adapts: 'q,v', 'q,k,v,o', full names like 'q_proj', or 'all-linear'."""
     lora_parallel: str = "ddp"
     """How lora spreads over --nproc > 1 ranks: 'ddp' (replicated base) or 'fsdp' (FSDP2-sharded base)."""
+    trace_steps: int = 0
+    """Record this many steps (after the 2 measurement steps) with torch.profiler into OUT/profiles/ (08)."""
+    trace_with: str = "torch"
+    """'torch' (torch.profiler files) or 'nsys' (only mark the steps for Nsight Systems; GPU profiles)."""
     run_id: str = ""
     """Identifies this run's record in results.jsonl (set by `run()`)."""
 
@@ -113,7 +117,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"{name}={value!r}; it must be a positive integer")
-        for name in ("checkpoint_every", "warmup_steps", "eval_batches", "seed", "node_rank"):
+        for name in ("checkpoint_every", "warmup_steps", "eval_batches", "seed", "node_rank", "trace_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name}={value!r}; it must be an integer >= 0")
@@ -126,6 +130,8 @@ class TrainConfig:
         if self.channels_last and model_kind(self.model) != "vision":
             raise ConfigError(f"--channels-last applies to image models, not {self.model!r}; drop the flag")
         self._check_peft()
+        if self.trace_with not in ("torch", "nsys"):
+            raise choices_error("trace tool", self.trace_with, ("torch", "nsys"))
 
     def _check_peft(self) -> None:
         """LoRA knobs (labkit.parallel.peft checks the target names against the built model)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from labkit import parallel, results
+from labkit import parallel, profiling, results
 from labkit.errors import ConfigError
 from labkit.train import metrics
 from labkit.train.checkpoint import Checkpointer, Deadline, latest_checkpoint, read_meta
@@ -66,7 +66,12 @@ def train(cfg, ctx):
                             seed=cfg.seed, workers=cfg.workers, start_step=len(progress.prior_losses),
                             pin_memory=ctx.device.type == "cuda")
         peak = metrics.PeakMemory(ctx.device)
-        _run_steps(cfg, ctx, hook, task, loader, ckpt, deadline, progress, peak)
+        tracer = profiling.StepTracer.for_run(cfg, ctx)  # --trace-steps N: torch.profiler over N steps
+        try:
+            _run_steps(cfg, ctx, hook, task, loader, ckpt, deadline, progress, peak, tracer)
+            tracer.finish()  # rank 0 writes OUT/profiles/<run id>/: trace, memory timeline, summary
+        finally:
+            tracer.close()  # a failed step must not leave the profiler running in this process
         held = eval_batches(held_out, global_batch=cfg.batch, dp_rank=hook.dp_rank, dp_size=hook.dp_size,
                             count=cfg.eval_batches)
         evaluation = hook.evaluate([_to_device(b, ctx.device, cfg.channels_last) for b in held]) if held else None
@@ -102,7 +107,7 @@ def _restore(cfg, hook, ckpt) -> _Progress:
     return progress
 
 
-def _run_steps(cfg, ctx, hook, task, loader, ckpt, deadline, progress, peak) -> None:
+def _run_steps(cfg, ctx, hook, task, loader, ckpt, deadline, progress, peak, tracer) -> None:
     from tqdm import tqdm
 
     start = len(progress.prior_losses)
@@ -111,6 +116,7 @@ def _run_steps(cfg, ctx, hook, task, loader, ckpt, deadline, progress, peak) -> 
     bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.strategy} {cfg.model}", unit="step",
                disable=not (ctx.is_main and cfg.progress), file=sys.stderr, mininterval=0.5)
     for local, step in enumerate(range(start, cfg.steps)):
+        tracer.before(local)
         t0 = time.perf_counter()
         inputs, targets = _to_device(next(batches), ctx.device, cfg.channels_last)
         micro = split_micro(inputs, targets, cfg.accum)
@@ -119,6 +125,7 @@ def _run_steps(cfg, ctx, hook, task, loader, ckpt, deadline, progress, peak) -> 
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)  # CUDA is asynchronous: time the work, not the launch
         progress.times.append(time.perf_counter() - t0)
+        tracer.after(local)
         progress.local_losses.append(None if loss is None else loss.detach())
         bar.update(1)
         if local % 10 == 0 and loss is not None:
@@ -198,7 +205,7 @@ def _say(ctx, text: str) -> None:
 
 def _record(cfg, ctx, hook, task, progress, gathered, dataset_size, ckpt):
     losses = progress.prior_losses + _average([g["losses"] for g in gathered])
-    skip = {FLOPS_STEP, MEMORY_STEP}
+    skip = {FLOPS_STEP, MEMORY_STEP, *profiling.window(cfg)}  # traced steps run slower
     step_time = max(metrics.median_step_time(g["times"], skip, cfg.warmup_steps) for g in gathered)
     samples_per_s = cfg.batch / step_time if step_time else 0.0
     global_tokens = cfg.batch * task.tokens_per_sample
@@ -215,7 +222,8 @@ def _record(cfg, ctx, hook, task, progress, gathered, dataset_size, ckpt):
                  steps_per_epoch=steps_per_epoch, epoch_time_s=steps_per_epoch * step_time,
                  flops_per_step=flops, achieved_tflops=flops / step_time / 1e12 if step_time else 0.0,
                  peak_tflops_per_device=peak_tf, resumed_from=progress.resumed_from, stopped=progress.stopped,
-                 checkpoint_save_s=ckpt.save_times, **_eval_summary(gathered), **hook.record_extra())
+                 checkpoint_save_s=ckpt.save_times, **_eval_summary(gathered), **profiling.record_facts(cfg),
+                 **hook.record_extra())
     return results.RunRecord(
         strategy=cfg.strategy, model=cfg.model, profile=cfg.profile, world_size=ctx.world_size,
         steps=len(losses), losses=losses, step_time_s=step_time, samples_per_s=samples_per_s,

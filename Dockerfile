@@ -1,0 +1,63 @@
+# labkit for the course's GPU nodes (4x A100 80GB, 1x A100, H100, 4x V100): the packages of
+# environment.yml on an official PyTorch CUDA image, plus the `labkit` Jupyter kernel.
+# Build from the repository root and run (see containers/README.md):
+#
+#   docker build -t labkit:gpu .
+#   docker run --gpus all --ipc=host -p 8888:8888 -v "$PWD/runs:/opt/labkit/runs" labkit:gpu
+#
+# tests/test_containers.py checks that this file installs what environment.yml lists.
+
+# The devel variant ships nvcc and the CUDA headers (environment.yml: cuda-nvcc, cuda-cudart-dev):
+# DeepSpeed JIT-compiles FusedAdam / CPU Adam with them on first use.
+ARG BASE=pytorch/pytorch:2.6.0-cuda12.6-cudnn9-devel
+FROM ${BASE}
+
+# environment.yml pins python=3.11 and cuda-version=12.6; the base image must agree (checked at build).
+ARG PYTHON_VERSION=3.11
+ARG CUDA_VERSION=12.6
+RUN python -c "import sys; v = '%d.%d' % sys.version_info[:2]; assert v == '${PYTHON_VERSION}', v" \
+ && python -c "import torch; v = torch.version.cuda; assert v and v.startswith('${CUDA_VERSION}'), v" \
+ && nvcc --version
+
+ENV PIP_NO_CACHE_DIR=1 \
+    MPLBACKEND=Agg \
+    PYTHONUNBUFFERED=1
+
+# torch and its CUDA build come from the base image (environment.yml: pytorch-gpu>=2.6); pip must
+# not replace it, so torch is a constraint, not a requirement.
+RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/torch-constraint.txt \
+ && pip install -c /tmp/torch-constraint.txt \
+      "torchvision>=0.21" \
+      "ninja>=1.11" \
+      "accelerate>=1.0" \
+      "deepspeed>=0.16" \
+      "peft>=0.14" \
+      "bitsandbytes>=0.45" \
+      "transformers>=4.48" \
+      "safetensors>=0.4" \
+      "papermill>=2.6" \
+      "nbformat>=5.9" \
+      "nbclient>=0.10" \
+      "nbconvert>=7.16" \
+      "ipykernel>=6.29" \
+      "jupyterlab>=4.2" \
+      "ipywidgets>=8.1" \
+      "matplotlib>=3.8" \
+      "tqdm>=4.66" \
+      "click>=8.1" \
+      "pyyaml>=6.0" \
+      "psutil>=5.9"
+
+# labkit itself (the `labkit` command) and the notebooks; no .venv, runs or build output.
+WORKDIR /opt/labkit
+COPY pyproject.toml README.md environment.yml ./
+COPY labkit ./labkit
+COPY notebooks ./notebooks
+RUN pip install -c /tmp/torch-constraint.txt -e . \
+ && python -m ipykernel install --sys-prefix --name labkit --display-name "labkit (Python 3)" \
+ && labkit --help > /dev/null
+
+# DeepSpeed's JIT-built ops go to a writable cache (the image may be read-only under Apptainer).
+ENV TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+EXPOSE 8888
+CMD ["jupyter", "lab", "--ip=0.0.0.0", "--port=8888", "--no-browser", "--allow-root", "--notebook-dir=/opt/labkit/notebooks"]

@@ -1,0 +1,144 @@
+"""The container recipes install what environment.yml lists (parsed: there is no container engine here)."""
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = {"Dockerfile": ROOT / "Dockerfile", "apptainer": ROOT / "containers" / "labkit.def"}
+KERNEL = 'ipykernel install --sys-prefix --name labkit --display-name "labkit (Python 3)"'
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@pytest.fixture(scope="module")
+def env() -> tuple[dict[str, str], list[str]]:
+    """({conda name: spec}, pip lines) of environment.yml."""
+    data = yaml.safe_load((ROOT / "environment.yml").read_text())
+    conda, pip = {}, []
+    for item in data["dependencies"]:
+        if isinstance(item, dict):
+            pip += [line.split("#")[0].strip() for line in item["pip"]]
+        else:
+            name = re.match(r"\s*([A-Za-z0-9_.\-]+)", str(item)).group(1)
+            conda[normalize(name)] = str(item)
+    return conda, pip
+
+
+def commands(text: str) -> list[str]:
+    """Shell commands of a recipe: comments dropped, backslash continuations and && chains split."""
+    joined = re.sub(r"\\\n", " ", "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#")))
+    return [part.strip() for line in joined.splitlines() for part in line.split("&&") if part.strip()]
+
+
+def pip_installs(text: str) -> list[list[str]]:
+    """The arguments of every `pip install` command, shell-split (quotes removed)."""
+    out = []
+    for cmd in commands(text):
+        match = re.search(r"\bpip install\b(.*)", cmd)
+        if match:
+            out.append(shlex.split(match.group(1)))
+    return out
+
+
+def requirements(text: str) -> dict[str, Requirement]:
+    reqs = {}
+    for args in pip_installs(text):
+        skip = False
+        for arg in args:
+            if skip or arg.startswith("-"):
+                skip = arg in ("-c", "-r", "-e", "--constraint")
+                continue
+            req = Requirement(arg) if arg != "." else None
+            if req:
+                reqs[normalize(req.name)] = req
+    return reqs
+
+
+def base_image(text: str) -> str:
+    match = re.search(r"^ARG BASE=(\S+)", text, re.M) or re.search(r"^From:\s*(\S+)", text, re.M)
+    assert match, "the recipe names no base image"
+    return match.group(1)
+
+
+@pytest.fixture(scope="module", params=sorted(RECIPES))
+def recipe(request) -> tuple[str, str]:
+    path = RECIPES[request.param]
+    assert path.is_file(), f"{path} is missing"
+    return request.param, path.read_text()
+
+
+def test_every_pip_package_of_environment_yml_is_installed_with_the_same_bounds(env, recipe):
+    _, pip = env
+    name, text = recipe
+    installed = requirements(text)
+    for line in pip:
+        if line == "-e .":
+            continue
+        req = Requirement(line)
+        got = installed.get(normalize(req.name))
+        assert got is not None, f"{name} does not install {line}"
+        assert got.specifier == req.specifier, f"{name}: {got} != {line}"
+
+
+def test_every_conda_package_is_provided(env, recipe):
+    """Each conda dependency maps to what provides it in a container; an unknown one fails this test."""
+    conda, _ = env
+    name, text = recipe
+    image = base_image(text)
+    tag = re.match(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda(\d+\.\d+)-cudnn\d+-(devel|runtime)$", image)
+    assert tag, f"{name}: base {image!r} is not an official pytorch/pytorch CUDA image"
+    installed = requirements(text)
+    for pkg, spec in conda.items():
+        if pkg == "python":
+            version = re.search(r"(\d+\.\d+)", spec).group(1)
+            check = re.search(rf"(PYTHON_VERSION={version}\b|== '{version}')", text)
+            assert check, f"{name}: no check that the image's python is {version}"
+        elif pkg == "cuda-version":
+            version = re.search(r"(\d+\.\d+)", spec).group(1)
+            assert tag.group(2) == version, f"{name}: image CUDA {tag.group(2)} != environment.yml {version}"
+            assert re.search(rf"(CUDA_VERSION={version}\b|startswith\('{version}'\))", text)
+        elif pkg in ("pytorch-gpu", "pytorch", "pytorch-cuda"):
+            bound = Requirement(spec.replace("pytorch-gpu", "torch").replace("pytorch", "torch")).specifier
+            assert Version(tag.group(1)) in bound, f"{name}: image torch {tag.group(1)} does not satisfy {spec}"
+        elif pkg in ("cuda-nvcc", "cuda-cudart-dev"):
+            assert tag.group(3) == "devel" and "nvcc --version" in text, f"{name}: {pkg} needs the devel image"
+        elif pkg == "pip":
+            assert pip_installs(text)
+        else:
+            req = Requirement(spec.replace("=", "==", 1) if re.search(r"[^<>=!]=[^=]", spec) else spec)
+            assert normalize(req.name) in installed, f"{name}: conda package {spec!r} is not installed"
+            assert installed[normalize(req.name)].specifier == req.specifier, f"{name}: {spec!r}"
+
+
+def test_torch_is_never_installed_from_pypi_and_labkit_itself_is(recipe):
+    name, text = recipe
+    assert "torch" not in requirements(text), f"{name} would replace the image's CUDA torch"
+    installs = pip_installs(text)
+    assert all("-c" in args for args in installs), f"{name}: every pip install must use the torch constraint"
+    assert any(args[-2:] == ["-e", "."] for args in installs), f"{name} does not install labkit itself (-e .)"
+    assert KERNEL in text, f"{name} does not register the labkit kernel"
+
+
+def test_both_recipes_install_the_same_packages_and_copy_what_the_package_needs():
+    texts = {k: p.read_text() for k, p in RECIPES.items()}
+    assert requirements(texts["Dockerfile"]) == requirements(texts["apptainer"])
+    assert base_image(texts["Dockerfile"]) == base_image(texts["apptainer"])
+    for part in ("pyproject.toml", "labkit", "notebooks"):
+        assert (ROOT / part).exists()
+        assert re.search(rf"^COPY .*\b{re.escape(part)}\b", texts["Dockerfile"], re.M), f"Dockerfile: COPY {part}"
+        assert re.search(rf"^\s+{re.escape(part)} /opt/labkit/", texts["apptainer"], re.M), f"labkit.def: {part}"
+
+
+def test_the_readme_documents_both_builds():
+    text = (ROOT / "containers" / "README.md").read_text()
+    assert "docker build -t labkit:gpu ." in text and "apptainer build labkit.sif containers/labkit.def" in text
+    assert "--gpus all" in text and "exec --nv" in text
