@@ -146,22 +146,30 @@ class Strategy:
         return total
 
     # ------------------------------------------------------------------ evaluation
+    def eval_logits(self, inputs, targets):
+        """Full logits of one held-out batch on this rank ((B, T, V) or (B, classes)); None on a rank
+        that produces none (a pipeline stage other than the last)."""
+        with self.precision.autocast():
+            return self.task.logits(self.model, inputs)
+
     @torch.no_grad()
     def evaluate(self, batches: list) -> dict | None:
-        """{'loss_sum', 'correct', 'count'} over held-out (inputs, targets) batches on this rank."""
+        """{'loss_sum', 'correct', 'count'} over held-out (inputs, targets) batches on this rank;
+        None when this rank saw no logits."""
         self.model.eval()
         loss_sum, correct, count = 0.0, 0, 0
         try:
             for inputs, targets in batches:
-                with self.precision.autocast():
-                    logits = self.task.logits(self.model, inputs)
+                logits = self.eval_logits(inputs, targets)
+                if logits is None:
+                    continue
                 n = targets.numel()
                 loss_sum += float(self.task.criterion(logits, targets)) * n
                 correct += int((logits.argmax(-1) == targets).sum())
                 count += n
         finally:
             self.model.train()
-        return {"loss_sum": loss_sum, "correct": correct, "count": count}
+        return {"loss_sum": loss_sum, "correct": correct, "count": count} if count else None
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:

@@ -249,21 +249,8 @@ class TensorStrategy(Strategy):
             return _full(out["loss"])
         return _full(step())
 
-    @torch.no_grad()
-    def evaluate(self, batches: list) -> dict | None:
-        self.model.eval()
-        loss_sum, correct, count = 0.0, 0, 0
-        try:
-            for inputs, targets in batches:
-                with self.precision.autocast():
-                    logits = _full(self.task.logits(self.model, inputs))  # (B, T, V) gathered for accuracy
-                n = targets.numel()
-                loss_sum += float(self.task.criterion(logits, targets)) * n
-                correct += int((logits.argmax(-1) == targets).sum())
-                count += n
-        finally:
-            self.model.train()
-        return {"loss_sum": loss_sum, "correct": correct, "count": count}
+    def eval_logits(self, inputs, targets):
+        return _full(super().eval_logits(inputs, targets))  # (B, T, V) gathered for accuracy
 
     def record_extra(self) -> dict:
         layers = self._unwrapped().config.num_hidden_layers
