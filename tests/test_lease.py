@@ -76,3 +76,17 @@ def test_countdown_widget_returns_at_once_and_refreshes_in_the_background():
     finally:
         label._labkit_stop.set()
         label.close()
+
+
+def test_train_takes_the_lease_end_as_its_default_deadline(monkeypatch):
+    import datetime as dt
+
+    from labkit.train.api import make_config
+
+    end = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=2)).replace(microsecond=0)
+    monkeypatch.setenv("LABKIT_LEASE_END", end.isoformat())
+    assert make_config("single", "tiny-llama", steps=2).deadline == end.isoformat()
+    given = (end - dt.timedelta(hours=1)).isoformat()
+    assert make_config("single", "tiny-llama", steps=2, deadline=given).deadline == given
+    monkeypatch.delenv("LABKIT_LEASE_END")
+    assert make_config("single", "tiny-llama", steps=2).deadline is None

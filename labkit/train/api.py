@@ -20,6 +20,11 @@ WORKER = "labkit.train.worker"
 
 def make_config(strategy: str, model: str, **options) -> TrainConfig:
     """A resolved, validated TrainConfig (profile defaults filled in) with a fresh run id."""
+    if options.get("deadline") is None:
+        # On a reserved node the lease's end is the deadline unless one is given, so a checkpoint
+        # is written before the node goes away (labkit.lease: LABKIT_LEASE_END or python-chi).
+        from labkit import lease
+        options["deadline"] = lease.default_deadline_text()
     cfg = from_dict({"strategy": strategy, "model": model, **options})
     if not cfg.run_id:
         cfg = dataclasses.replace(cfg, run_id=uuid.uuid4().hex[:12])
