@@ -313,29 +313,16 @@ def sweep(runs: list, model: str, *, nproc: int = 2, out: str = "runs", stream: 
     """Train each run in turn inside ONE torchrun job; returns their RunRecords, in order.
 
     `runs` holds strategy names or (strategy, {option: value}) pairs overriding `options` for one run
-    (e.g. ("fsdp", {"amp": "bf16"})). Same loop and records as `labkit train` once per run, but the
-    ranks start (import torch, transformers, deepspeed; join the process group) once. With
-    `wrap_policies` the job first runs the wrap study (see `wrap_study`); `wrap_rows(out)` reads it.
+    (e.g. ("fsdp", {"amp": "bf16"})): `labkit.train.many.run_many`. With `wrap_policies` the job
+    first runs the wrap study (see `wrap_study`); `wrap_rows(out)` reads it.
     """
-    from labkit import launch, parallel
-    from labkit.profiles import get_profile
-    from labkit.train.api import make_config, record_of
+    from labkit.train.many import run_many
 
-    configs = []
-    for run in runs:
-        name, own = (run, {}) if isinstance(run, str) else run
-        merged = {"nproc": nproc, "out": out, **options, **own}
-        configs.append(make_config(name, merged.pop("model", model), **merged))
-    first = configs[0] if configs else make_config("fsdp", model, nproc=nproc, out=out, **options)
-    env: dict[str, str] = {}
-    for cfg in configs:
-        env.update(parallel.strategy_class(cfg.strategy).launch_env(cfg))
-    args = ["--first", first.to_json(), "--configs-json", json.dumps([c.to_json() for c in configs])]
+    before = None
     if wrap_policies:
-        args += ["--wrap-study", json.dumps(dict(policies=wrap_policies, out=str(Path(out) / "wrap_study.json")))]
-    limit = timeout_s or get_profile(first.profile).timeout_s * max(1, len(configs))
-    launch.run("labkit.parallel.fsdp", args, nproc=nproc, timeout_s=limit, env=env, stream=stream)
-    return [record_of(cfg.out, cfg.run_id) for cfg in configs]
+        spec = dict(policies=wrap_policies, out=str(Path(out) / "wrap_study.json"))
+        before = ("labkit.parallel.fsdp:wrap_study_rank", spec)
+    return run_many(runs, model, nproc=nproc, out=out, stream=stream, timeout_s=timeout_s, before=before, **options)
 
 
 def wrap_study(policies: dict[str, dict], model: str = "tiny-llama", *, out: str = "runs", **options) -> list[dict]:
@@ -352,6 +339,14 @@ def wrap_study(policies: dict[str, dict], model: str = "tiny-llama", *, out: str
 def wrap_rows(out: str) -> list[dict]:
     """The rows the last wrap study wrote to OUT/wrap_study.json."""
     return json.loads((Path(out) / "wrap_study.json").read_text(encoding="utf-8"))
+
+
+def wrap_study_rank(spec: dict, cfg, ctx) -> None:
+    """`run_many` hook on every rank: measure spec["policies"], rank 0 writes the rows to spec["out"]."""
+    rows = _wrap_rows(spec["policies"], cfg, ctx)
+    if ctx.is_main:
+        Path(spec["out"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(spec["out"]).write_text(json.dumps(rows), encoding="utf-8")
 
 
 def _wrap_rows(policies: dict, cfg, ctx) -> list[dict]:
@@ -377,43 +372,3 @@ def _wrap_rows(policies: dict, cfg, ctx) -> list[dict]:
         rows.append(dict(policy=label, units=len(sizes), unit_params=sizes, largest_unit_params=max(sizes),
                          shard_bytes=sum(tensor_bytes(model.parameters(), ctx.device)), peak_param_bytes=peak[0]))
     return rows
-
-
-def _main(argv: list[str] | None = None) -> None:
-    """Per-rank entry of `sweep`: one process group, the wrap study, then `train` per config."""
-    import argparse
-
-    import torch.distributed as dist
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from labkit.train.config import TrainConfig
-    from labkit.train.loop import train
-    from labkit.train.worker import init_distributed
-
-    parser = argparse.ArgumentParser(prog="labkit.parallel.fsdp", description="several runs in one torchrun job")
-    parser.add_argument("--first", required=True, help="resolved TrainConfig JSON: process group, wrap study")
-    parser.add_argument("--configs-json", default="[]", help="JSON list of resolved TrainConfig JSON strings")
-    parser.add_argument("--wrap-study", default="", help="JSON {policies, out} of the wrap study")
-    args = parser.parse_args(argv)
-    first = TrainConfig.from_json(args.first)
-
-    @record
-    def run_all() -> None:
-        ctx = init_distributed(first)
-        try:
-            if args.wrap_study:
-                spec = json.loads(args.wrap_study)
-                rows = _wrap_rows(spec["policies"], first, ctx)
-                if ctx.is_main:
-                    Path(spec["out"]).parent.mkdir(parents=True, exist_ok=True)
-                    Path(spec["out"]).write_text(json.dumps(rows), encoding="utf-8")
-            for text in json.loads(args.configs_json):
-                train(TrainConfig.from_json(text), ctx)
-        finally:
-            dist.destroy_process_group()
-
-    run_all()
-
-
-if __name__ == "__main__":
-    _main()

@@ -336,45 +336,8 @@ STRATEGY_CLASSES = {name: PipelineStrategy for name in SCHEDULES}
 def run_together(strategies, model: str, *, nproc: int = 2, stream: bool = False, **options) -> list:
     """Train `model` with each strategy in turn inside ONE torchrun launch: the same loop and
     RunRecords as `labkit train`, one process start-up instead of several (notebook 07 runs GPipe,
-    1F1B and tensor-fsdp this way). `options` are TrainConfig fields shared by all runs."""
-    from labkit import launch, parallel
-    from labkit.profiles import get_profile
-    from labkit.train.api import make_config, record_of
+    1F1B and tensor-fsdp this way). `options` are TrainConfig fields shared by all runs.
+    A thin name for `labkit.train.many.run_many`."""
+    from labkit.train.many import run_many
 
-    cfgs = [make_config(name, model, nproc=nproc, **options) for name in strategies]
-    args = [a for cfg in cfgs for a in ("--config-json", cfg.to_json())]
-    env = {k: v for cfg in cfgs for k, v in parallel.strategy_class(cfg.strategy).launch_env(cfg).items()}
-    launch.run("labkit.parallel.pipeline", args, nproc=nproc, stream=stream, env=env,
-               timeout_s=len(cfgs) * get_profile(cfgs[0].profile).timeout_s)
-    return [record_of(cfg.out, cfg.run_id) for cfg in cfgs]
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Per-rank entry point of `run_together`: one process group, the loop once per config."""
-    import argparse
-
-    import torch.distributed as dist
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from labkit.train.config import TrainConfig
-    from labkit.train.loop import train
-    from labkit.train.worker import init_distributed
-
-    parser = argparse.ArgumentParser(prog="labkit.parallel.pipeline")
-    parser.add_argument("--config-json", action="append", required=True, help="a resolved TrainConfig as JSON")
-    cfgs = [TrainConfig.from_json(text) for text in parser.parse_args(argv).config_json]
-
-    @record
-    def run_all() -> None:
-        ctx = init_distributed(cfgs[0])
-        try:
-            for cfg in cfgs:
-                train(cfg, ctx)
-        finally:
-            dist.destroy_process_group()
-
-    run_all()
-
-
-if __name__ == "__main__":
-    main()
+    return run_many(list(strategies), model, nproc=nproc, stream=stream, **options)

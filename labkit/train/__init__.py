@@ -5,7 +5,8 @@
 
 Submodules: `config` (TrainConfig), `api` (run), `loop` (the loop), `data`, `levers` (AMP,
 activation checkpointing, channels_last, compile), `metrics`, `checkpoint`, `batch_finder`, `worker`
-(the torchrun entry point). Attributes load lazily, so importing this package does not import torch.
+(the torchrun entry point), `many` (several runs in one torchrun launch: `run_many`). Attributes load
+lazily, so importing this package does not import torch.
 Introduced in notebook 02_single_gpu.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import importlib
 _EXPORTS = {
     "TrainConfig": "config", "run": "api", "make_config": "api", "record_of": "api", "train": "loop",
     "find_max_batch": "batch_finder", "memory_breakdown": "batch_finder",
-    "latest_checkpoint": "checkpoint", "Task": "data",
+    "latest_checkpoint": "checkpoint", "Task": "data", "run_many": "many",
 }
 __all__ = sorted(_EXPORTS)
 

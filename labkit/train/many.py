@@ -1,0 +1,118 @@
+"""Several training runs inside ONE torchrun launch: `run_many(runs, model, nproc=...)`.
+
+Each run is exactly what `labkit train` runs (same `TrainConfig`, loop and `RunRecord` in
+OUT/results.jsonl), but the ranks start -- import torch, transformers, DeepSpeed; join the process
+group -- once for all of them, which on a laptop is most of a smoke run's wall time. Notebooks 04
+and 05 compare sharding strategies this way (`labkit.parallel.fsdp.sweep`), notebook 07 pipeline
+schedules (`labkit.parallel.pipeline.run_together`).
+
+An optional `before` hook, named by import path ("package.module:function"), runs on every rank
+inside the same process group before the first run: `function(spec, first_config, ctx)` with the
+JSON-able `spec` given to `run_many` (fsdp's wrap study is one).
+Per-rank entry point: `python -m labkit.train.many --configs-json '[...]'`.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+
+from labkit.errors import ConfigError
+
+ENTRY = "labkit.train.many"
+
+
+def configs_for(runs: list, model: str, *, nproc: int, out: str, **options) -> list:
+    """Resolved, validated TrainConfigs of `runs`: strategy names or (strategy, {option: value}) pairs
+    whose options override the shared `options` for that run (a "model" option overrides `model`)."""
+    from labkit.train.api import make_config
+
+    configs = []
+    for run in runs:
+        name, own = (run, {}) if isinstance(run, str) else run
+        merged = {"nproc": nproc, "out": out, **options, **own}
+        configs.append(make_config(name, merged.pop("model", model), **merged))
+    return configs
+
+
+def run_many(runs: list, model: str, *, nproc: int = 2, out: str = "runs", stream: bool = True,
+             timeout_s: float | None = None, before: tuple[str, object] | None = None, **options) -> list:
+    """Train each of `runs` in turn inside one torchrun launch of `nproc` ranks; their RunRecords, in order.
+
+    `options` are TrainConfig fields shared by all runs (profile, steps, amp, progress, ...).
+    `before` = ("module:function", spec): called on every rank before the runs (see the module doc);
+    with no runs the launch does only that, under a 'ddp' config of `model` and `options`.
+    The time limit is the profile's per run unless `timeout_s` is given.
+    """
+    from labkit import launch, parallel
+    from labkit.profiles import get_profile
+    from labkit.train.api import make_config, record_of
+
+    configs = configs_for(runs, model, nproc=nproc, out=out, **options)
+    if not configs and before is None:
+        raise ConfigError("run_many got no runs and no `before` hook; pass strategy names such as ['ddp', 'fsdp']")
+    first = configs[0] if configs else make_config("ddp", model, nproc=nproc, out=out, **options)
+    env: dict[str, str] = {}
+    for cfg in configs:
+        env.update(parallel.strategy_class(cfg.strategy).launch_env(cfg))
+    args = ["--first", first.to_json(), "--configs-json", json.dumps([c.to_json() for c in configs])]
+    if before is not None:
+        path, spec = before
+        _resolve(path)  # a wrong path fails here, not on every rank after the launch
+        args += ["--before", path, "--before-json", json.dumps(spec)]
+    limit = timeout_s or get_profile(first.profile).timeout_s * max(1, len(configs))
+    launch.run(ENTRY, args, nproc=nproc, timeout_s=limit, env=env, stream=stream)
+    return [record_of(cfg.out, cfg.run_id) for cfg in configs]
+
+
+def _resolve(path: str):
+    """The callable named "package.module:function"."""
+    module, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"run_many hook {path!r} does not name a function ({exc}); "
+                          "write it as 'package.module:function'") from exc
+
+
+def train_all(configs: list, ctx, *, first=None, before: str = "", spec=None) -> None:
+    """On one rank inside an initialised process group: the `before` hook, then `train` per config."""
+    from labkit.train.loop import train
+
+    if before:
+        _resolve(before)(spec, first or configs[0], ctx)
+    for cfg in configs:
+        train(cfg, ctx)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Per-rank entry of `run_many`: one process group for all runs."""
+    import argparse
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from labkit.train.config import TrainConfig
+    from labkit.train.worker import init_distributed
+
+    parser = argparse.ArgumentParser(prog=ENTRY, description="several training runs in one torchrun job")
+    parser.add_argument("--first", required=True, help="resolved TrainConfig JSON: process group, hook")
+    parser.add_argument("--configs-json", default="[]", help="JSON list of resolved TrainConfig JSON strings")
+    parser.add_argument("--before", default="", help="'package.module:function' run before the configs")
+    parser.add_argument("--before-json", default="null", help="JSON spec passed to the --before function")
+    args = parser.parse_args(argv)
+    first = TrainConfig.from_json(args.first)
+    configs = [TrainConfig.from_json(text) for text in json.loads(args.configs_json)]
+
+    @record
+    def run_all() -> None:
+        ctx = init_distributed(first)
+        try:
+            train_all(configs, ctx, first=first, before=args.before, spec=json.loads(args.before_json))
+        finally:
+            dist.destroy_process_group()
+
+    run_all()
+
+
+if __name__ == "__main__":
+    main()
