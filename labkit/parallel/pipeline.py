@@ -266,21 +266,9 @@ class PipelineStrategy(Strategy):
         self.optimizer_step()
         return total
 
-    @torch.no_grad()
-    def evaluate(self, batches: list) -> dict | None:
-        self.model.eval()
-        loss_sum, correct, count = 0.0, 0, 0
-        try:
-            for inputs, targets in batches:
-                logits = self._run(inputs, targets, None, train=False)
-                if logits is not None:  # last stage: merged (B, T, V)
-                    n = targets.numel()
-                    loss_sum += float(self.task.criterion(logits, targets)) * n
-                    correct += int((logits.argmax(-1) == targets).sum())
-                    count += n
-        finally:
-            self.model.train()
-        return {"loss_sum": loss_sum, "correct": correct, "count": count} if count else None
+    def eval_logits(self, inputs, targets):
+        # The schedule runs every stage; only the last one gets the merged (B, T, V) logits.
+        return self._run(inputs, targets, None, train=False)
 
     def state_dict(self) -> dict:
         # Stages hold different parameters: flatten the optimizer's param_groups per parameter FQN
