@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from labkit.train.config import TrainConfig
-    from labkit.train.worker import init_distributed
+    from labkit.train.worker import exit_now, init_distributed
 
     parser = argparse.ArgumentParser(prog=ENTRY, description="several training runs in one torchrun job")
     parser.add_argument("--first", required=True, help="resolved TrainConfig JSON: process group, hook")
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
             dist.destroy_process_group()
 
     run_all()
+    exit_now()
 
 
 if __name__ == "__main__":

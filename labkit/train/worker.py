@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,19 @@ def main(argv: list[str] | None = None) -> None:
         train(cfg, ctx)
     finally:
         dist.destroy_process_group()
+    exit_now()
+
+
+def exit_now() -> None:
+    """Leave a finished rank without the interpreter's teardown.
+
+    Everything is written and the process group is destroyed; what is left is destroying C++
+    objects (gloo / FSDP / DeepSpeed threads) in arbitrary order, which now and then aborts with
+    "terminate called without an active exception" -- a failed rank for torchrun after a good run.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
