@@ -14,31 +14,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _reference import BATCH, LR, SEQ, token_batches
+from _reference import reference_losses as _reference_losses
 from labkit.errors import ConfigError
 from labkit.parallel import pipeline as P
 from labkit.schedule_plot import events_of, max_in_flight, measured_bubble, replay, text_schedule
 
-STEPS, BATCH, SEQ, LR, M = 3, 8, 32, 3e-3, 4
+STEPS, M = 3, 4
 
 
 def batches():
-    g = torch.Generator().manual_seed(2)
-    return [(torch.randint(256, (BATCH, SEQ), generator=g), torch.randint(256, (BATCH, SEQ), generator=g))
-            for _ in range(STEPS)]
+    return token_batches(2, STEPS)
 
 
 def reference_losses() -> list[float]:
-    from labkit.models import build_llm
-    model = build_llm("tiny-llama", seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    out = []
-    for x, y in batches():
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x).logits.flatten(0, -2), y.flatten())
-        loss.backward()
-        opt.step()
-        out.append(loss.item())
-    return out
+    return _reference_losses(batches())
 
 
 def _train(schedule: str) -> dict:

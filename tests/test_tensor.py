@@ -14,30 +14,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _reference import BATCH, LR, SEQ, token_batches
+from _reference import reference_losses as _reference_losses
 from labkit.errors import ConfigError
 
-STEPS, BATCH, SEQ, LR = 3, 8, 32, 3e-3
+STEPS = 3
 VARIANTS = ("tp", "tp-sp", "2d-1x2", "2d-2x1", "wrong")
 
 
 def batches():
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randint(256, (BATCH, SEQ), generator=g), torch.randint(256, (BATCH, SEQ), generator=g))
-            for _ in range(STEPS)]
+    return token_batches(1, STEPS)
 
 
 def reference_losses() -> list[float]:
-    from labkit.models import build_llm
-    model = build_llm("tiny-llama", seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    out = []
-    for x, y in batches():
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x).logits.flatten(0, -2), y.flatten())
-        loss.backward()
-        opt.step()
-        out.append(loss.item())
-    return out
+    return _reference_losses(batches())
 
 
 def _build(variant: str):
