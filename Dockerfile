@@ -33,6 +33,7 @@ RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/torch-
       "deepspeed>=0.16" \
       "peft>=0.14" \
       "bitsandbytes>=0.45" \
+      "torchao>=0.12" \
       "transformers>=4.48" \
       "safetensors>=0.4" \
       "papermill>=2.6" \

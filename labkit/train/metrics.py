@@ -34,13 +34,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def tensor_bytes(tensors, device: torch.device) -> tuple[int, int]:
-    """(bytes on `device`, bytes elsewhere) of `tensors`, each storage counted once."""
-    seen, here, away = set(), 0, 0
+def _plain(tensors):
+    """The plain tensors holding `tensors`' data: DTensors by local shard, wrapper subclasses (torchao's
+    8-/4-bit optimizer states, which have no storage of their own) by their inner tensors."""
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             continue
         t = _local(t)
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            yield from _plain(getattr(t, name) for name in names)
+        else:
+            yield t
+
+
+def tensor_bytes(tensors, device: torch.device) -> tuple[int, int]:
+    """(bytes on `device`, bytes elsewhere) of `tensors`, each storage counted once."""
+    seen, here, away = set(), 0, 0
+    for t in _plain(tensors):
         key = (t.device, t.untyped_storage().data_ptr())
         if key in seen or t.device.type == "meta":
             continue
