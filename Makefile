@@ -27,8 +27,10 @@ venv: $(BIN)/.installed
 kernel: venv
 	$(BIN)/python -m ipykernel install --sys-prefix --name labkit --display-name "labkit (Python 3)"
 
+# LAB_ARGS passes options to JupyterLab, e.g. LAB_ARGS="--no-browser --port 8888" on a remote node.
+LAB_ARGS ?=
 lab: venv
-	$(BIN)/jupyter lab --notebook-dir=notebooks
+	$(BIN)/jupyter lab --notebook-dir=notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_ARGS)
 
 test: venv chromium
 	mkdir -p $(BUILD)
