@@ -28,3 +28,16 @@ def reference_losses(batches) -> list[float]:
         opt.step()
         out.append(loss.item())
     return out
+
+
+def spawn_two_ranks(worker, tmp_path_factory, name: str) -> list[dict]:
+    """Run `worker(rank, port, out_dir)` on 2 spawned gloo ranks; each writes out_dir/rank<r>.json."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from labkit.launch import free_port
+
+    out = tmp_path_factory.mktemp(name)
+    mp.spawn(worker, args=(free_port(), str(out)), nprocs=2, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _reference import BATCH, LR, SEQ, token_batches
+from _reference import BATCH, LR, SEQ, spawn_two_ranks, token_batches
 from _reference import reference_losses as _reference_losses
 from labkit.errors import ConfigError
 
@@ -101,14 +101,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    import torch.multiprocessing as mp
-
-    from labkit.launch import free_port
-
-    out = tmp_path_factory.mktemp("tp")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    return ranks, reference_losses()
+    return spawn_two_ranks(_worker, tmp_path_factory, "tp"), reference_losses()
 
 
 @pytest.mark.slow
