@@ -30,8 +30,26 @@ def reference_losses(batches) -> list[float]:
     return out
 
 
-def spawn_two_ranks(worker, tmp_path_factory, name: str) -> list[dict]:
-    """Run `worker(rank, port, out_dir)` on 2 spawned gloo ranks; each writes out_dir/rank<r>.json."""
+def _rank_main(rank: int, port: int, out_dir: str, results) -> None:
+    """One spawned rank: join a 2-rank gloo group, write results(out_dir) to out_dir/rank<r>.json."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        result = results(out_dir)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+            json.dump(result, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_two_ranks(results, tmp_path_factory, name: str) -> list[dict]:
+    """Run `results(out_dir) -> dict` on 2 spawned gloo ranks; the per-rank dicts, rank order."""
     import json
 
     import torch.multiprocessing as mp
@@ -39,5 +57,5 @@ def spawn_two_ranks(worker, tmp_path_factory, name: str) -> list[dict]:
     from labkit.launch import free_port
 
     out = tmp_path_factory.mktemp(name)
-    mp.spawn(worker, args=(free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(free_port(), str(out), results), nprocs=2, join=True)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

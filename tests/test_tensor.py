@@ -7,8 +7,6 @@ One `labkit train --strategy tensor-fsdp` run checks the hook inside the real tr
 """
 from __future__ import annotations
 
-import json
-import os
 
 import pytest
 import torch
@@ -85,23 +83,14 @@ def _train(variant: str) -> dict:
     return {"losses": losses, "local_params": local, "collectives": counts}
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        result = {v: _train(v) for v in VARIANTS}
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
-            json.dump(result, fh)
-    finally:
-        dist.destroy_process_group()
+def _results(out_dir: str) -> dict:
+    """One rank's share of the module fixture (runs inside the 2-rank group)."""
+    return {v: _train(v) for v in VARIANTS}
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return spawn_two_ranks(_worker, tmp_path_factory, "tp"), reference_losses()
+    return spawn_two_ranks(_results, tmp_path_factory, "tp"), reference_losses()
 
 
 @pytest.mark.slow
