@@ -136,6 +136,25 @@ def relation(name: str, points: float, predicate: Callable[[Evidence], Outcome |
     return Check(name, points, fn, "relation", visible, reads)
 
 
+def losses_agree(key: str, base: str, rtol: float):
+    """Predicate: run `key` has `base`'s losses step for step (sharding moves bytes, not the math)."""
+    def pred(ev: Evidence):
+        a, b = ev.run(key).losses, ev.run(base).losses
+        if not a or len(a) != len(b):
+            return False, f"{key} has {len(a)} losses, {base} {len(b)}; run both with the same steps"
+        worst = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+        return worst <= rtol, f"{key} vs {base}: largest relative loss difference {worst:.2e}"
+    return pred
+
+
+def bytes_below(field: str, key: str, base: str):
+    """Predicate: max per-rank `<field>_bytes` of run `key` < that of run `base`."""
+    def pred(ev: Evidence):
+        a, b = (max(getattr(ev.run(k), f"{field}_bytes") or [0]) for k in (key, base))
+        return a < b, f"{key} {field} bytes/rank {a:,} {'<' if a < b else '>='} {base}'s {b:,}"
+    return pred
+
+
 def _peak(ev: Evidence, key: str) -> int:
     peaks = ev.run(key).peak_bytes
     if not peaks:

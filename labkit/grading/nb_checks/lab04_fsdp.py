@@ -2,35 +2,16 @@
 
 Answers about a run are checked against the student's own recorded run (grading never re-runs a GPU);
 the rest against what labkit computes (`labkit.memory.estimate`, `labkit.parallel.fsdp`).
-`losses_agree` and `bytes_below` are shared with the checks of notebooks 05 and 07.
 """
 from __future__ import annotations
 
-from labkit.grading.checks import answer_close, answer_equals, cell_ran, figure_present, relation
+from labkit.grading.checks import (answer_close, answer_equals, bytes_below, cell_ran, figure_present,
+                                   losses_agree, relation)
 from labkit.grading.evidence import CheckFailed, Evidence
 
 NOTEBOOK = "04_fsdp"
 #: The runs of section 2 that shard with FSDP (keys as the notebook shows them).
 FSDP_RUNS = ("fsdp", "fsdp-grad-op", "fsdp-no-shard", "fsdp-hybrid", "fsdp-offload")
-
-
-def losses_agree(key: str, base: str, rtol: float):
-    """Predicate: run `key` has `base`'s losses step for step (sharding moves bytes, not the math)."""
-    def pred(ev: Evidence):
-        a, b = ev.run(key).losses, ev.run(base).losses
-        if not a or len(a) != len(b):
-            return False, f"{key} has {len(a)} losses, {base} {len(b)}; run both with the same steps"
-        worst = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
-        return worst <= rtol, f"{key} vs {base}: largest relative loss difference {worst:.2e}"
-    return pred
-
-
-def bytes_below(field: str, key: str, base: str):
-    """Predicate: max per-rank `<field>_bytes` of run `key` < that of run `base`."""
-    def pred(ev: Evidence):
-        a, b = (max(getattr(ev.run(k), f"{field}_bytes") or [0]) for k in (key, base))
-        return a < b, f"{key} {field} bytes/rank {a:,} {'<' if a < b else '>='} {base}'s {b:,}"
-    return pred
 
 
 def param_ratio(ev: Evidence) -> float:

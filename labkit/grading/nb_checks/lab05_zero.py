@@ -5,9 +5,9 @@ Answers about a run are checked against the student's own recorded run; the rest
 """
 from __future__ import annotations
 
-from labkit.grading.checks import answer_close, answer_equals, cell_ran, figure_present, relation
+from labkit.grading.checks import (answer_close, answer_equals, bytes_below, cell_ran, figure_present,
+                                   losses_agree, relation)
 from labkit.grading.evidence import Evidence
-from labkit.grading.nb_checks.lab04_fsdp import bytes_below, losses_agree
 
 NOTEBOOK = "05_zero"
 #: The scenario of 5.6: one RTX 4090, 24 GB of device memory.

@@ -5,9 +5,9 @@ the answer keys are listed in docs/model_parallel.md ("Grading keys").
 """
 from __future__ import annotations
 
-from labkit.grading.checks import answer_close, answer_equals, cell_ran, figure_present, relation
+from labkit.grading.checks import (answer_close, answer_equals, bytes_below, cell_ran, figure_present,
+                                   losses_agree, relation)
 from labkit.grading.evidence import CheckFailed, Evidence
-from labkit.grading.nb_checks.lab04_fsdp import bytes_below, losses_agree
 
 NOTEBOOK = "07_model_parallel"
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 import functools
 import tempfile
 
-from labkit.grading.checks import answer_close, answer_equals, cell_ran, figure_present, relation
+from labkit.grading.checks import answer_close, answer_equals, bytes_below, cell_ran, figure_present, relation
 from labkit.grading.evidence import Evidence
-from labkit.grading.nb_checks.lab04_fsdp import bytes_below
 
 NOTEBOOK = "08_profiling_and_stacking"
 
