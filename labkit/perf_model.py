@@ -82,17 +82,15 @@ class Efficiency:
     source: str
 
 
-_GEMM_NOTE = ("transformer-shaped GEMMs run below the best single GEMM (~86 % of peak in S. Bekman's "
-              "ml-engineering 'maximum achievable matmul FLOPS' table; not re-measured here)")
 #: Defaults by GPU family and precision. The A100 value is the one free parameter of the model, fitted
-#: to the published runs (tests/test_planner_calibration.py checks every row within 20 %).
+#: to the published runs (tests/test_planner_calibration.py checks every row within 20 %); it sits below
+#: the best single GEMM (~86 % of peak in S. Bekman's ml-engineering "maximum achievable matmul FLOPS"
+#: table, not re-measured here) because transformer-shaped GEMMs, split by TP, are smaller.
 DEFAULT_EFFICIENCY = {
-    ("a100", "bf16"): Efficiency(0.72, "default for A100 bf16: fitted to the 26 calibrated rows of labkit/data/"
-                                       "published_runs.json (Megatron-LM, Narayanan et al. 2021 and Korthikanti et "
-                                       f"al. 2022; mean error 0 %, all within 10 %); {_GEMM_NOTE}"),
-    ("h100", "bf16"): Efficiency(0.70, "default for H100 bf16: an assumption (no H100 row in the published-runs "
-                                       "table); Hopper GEMMs reach a lower share of their 989 TFLOPS peak"),
-    ("v100", "fp16"): Efficiency(0.75, "default for V100 fp16: an assumption (no V100 row in the published-runs table)"),
+    ("a100", "bf16"): Efficiency(0.72, "A100 bf16 default fitted to 26 published runs in labkit/data/"
+                                       "published_runs.json: Narayanan et al. 2021, Korthikanti et al. 2022"),
+    ("h100", "bf16"): Efficiency(0.70, "H100 bf16 default: an assumption, no H100 row in the published runs yet"),
+    ("v100", "fp16"): Efficiency(0.75, "V100 fp16 default: an assumption, no V100 row in the published runs yet"),
 }
 
 

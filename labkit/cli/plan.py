@@ -34,7 +34,8 @@ def run_plan(*, model: str, gpus: int, gpus_per_node: int, gpu: str, batch=None,
             raise ConfigError(f"global batch {req.batch} leaves fewer than pp={pp} micro-batches per pipeline; "
                               f"use --batch {dp * pp} or more")
         return {"request": planner.dataclasses.asdict(req), "capacity_gb": req.capacity_bytes / 1e9,
-                "assumption": planner.assumption(req), "layout": [o.to_dict() for o in sorted(options, key=lambda o: o.step_s)]}
+                "assumption": planner.assumption(req),
+                "layout": [o.to_dict() for o in sorted(options, key=lambda o: o.step_s)]}
     return planner.plan(req).to_dict(top=top)
 
 
