@@ -15,47 +15,22 @@ Megatron-LM", Sec. 3 "takeaways"):
   refuses them with pipeline parallelism: gradients/params are needed by every micro-batch), so with
   pp > 1 only stages 0 and 1 are enumerated.
 
-Time model (per optimizer step, bf16, no overlap -- a pessimistic but comparable number):
-  compute = (8 with full activation recomputation, else 6) x P x tokens / (N x peak)
-  pipeline = compute / (1 - bubble), bubble = (p - 1) / (m + p - 1)
-  TP  = 6 all-reduces per layer and micro-batch (2 fwd + 2 bwd + 2 recompute), 2 (t-1)/t x b*s*h*2 B each, NVLink
-  PP  = 2 sends per micro-batch of b*s*h*2 / t bytes (scatter-gather, Sec. 4.1), network if a pipeline spans nodes
-  DP  = gradient all-reduce 2 (d-1)/d x 2 B x params on the GPU (ZeRO-3: (2m + 1) (d-1)/d: params re-gathered
-        for each micro-batch's forward and backward), network when the job spans nodes
+Time model: `labkit.perf_model` (matmuls at an achievable efficiency, memory-bound non-matmul work,
+recomputation by checkpointing mode, TP communication exposed, DP gradient reduce hidden under the
+backward where it fits), calibrated against published runs (`labkit.published_runs`). Every plan says
+which matmul efficiency it assumed and where it came from. `budget` turns a layout into days and cost.
 Introduced in notebook 07_model_parallel.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
-from labkit import presets
+from labkit import perf_model, presets
 from labkit.errors import ConfigError, choices_error
+from labkit.perf_model import GPUS, Budget, Efficiency, GpuSpec, budget  # noqa: F401 (re-exported)
 
 
-@dataclass(frozen=True)
-class GpuSpec:
-    """One GPU model: memory and the two bandwidths the planner uses (per GPU, per direction)."""
-
-    memory_gb: float
-    """HBM in GB (10^9 B), as the profiles count it."""
-    peak_tflops: float
-    """Dense bf16 (V100: fp16) tensor-core peak."""
-    nvlink_gbs: float
-    """NVLink bandwidth inside a node, GB/s per direction."""
-    network_gbs: float
-    """Inter-node bandwidth per GPU, GB/s (one InfiniBand NIC per GPU as in DGX nodes)."""
-
-
-#: Data sheets: A100 NVLink3 600 GB/s bidirectional, HDR 200 Gb/s; H100 NVLink4 900, NDR 400 Gb/s;
-#: V100 NVLink2 300, EDR 100 Gb/s.
-GPUS = {
-    "a100-80gb": GpuSpec(80.0, 312.0, 300.0, 25.0),
-    "a100-40gb": GpuSpec(40.0, 312.0, 300.0, 25.0),
-    "h100-80gb": GpuSpec(80.0, 989.0, 450.0, 50.0),
-    "v100-32gb": GpuSpec(32.0, 125.0, 150.0, 12.5),
-}
 #: Share of HBM the plan may fill: the rest is CUDA context, NCCL buffers and fragmentation,
 #: which the estimator does not count.
 USABLE = 0.9
@@ -76,6 +51,10 @@ class PlanRequest:
     checkpointing: str = "full"
     """Activation recomputation assumed for every layout: 'full', 'selective' or 'none'."""
     usable: float = USABLE
+    matmul_efficiency: float | None = None
+    """Share of peak the GEMMs reach; None = the node's measurement if on file, else the default."""
+    efficiency: Efficiency | None = None
+    """Filled in from `matmul_efficiency` (`labkit.perf_model.matmul_efficiency`): value and source."""
 
     def __post_init__(self) -> None:
         presets.model_kind(self.model)  # ConfigError listing valid presets
@@ -95,6 +74,11 @@ class PlanRequest:
             object.__setattr__(self, "batch", 8 * self.gpus)
         if self.seq is None:
             object.__setattr__(self, "seq", min(_arch(self.model)["max_position_embeddings"], 2048))
+        if self.checkpointing not in ("full", "selective", "none"):
+            raise choices_error("checkpointing", self.checkpointing, ("full", "selective", "none"))
+        precision = "fp16" if self.gpu.startswith("v100") else "bf16"
+        object.__setattr__(self, "efficiency",
+                           perf_model.matmul_efficiency(self.gpu, precision, override=self.matmul_efficiency))
 
     @property
     def spec(self) -> GpuSpec:
@@ -123,9 +107,14 @@ class Option:
     comm_bytes: dict = field(default_factory=dict)
     """Bytes each GPU sends per step by dimension."""
     compute_s: float = 0.0
+    """Matmul + non-matmul seconds per step (recomputation included), before the bubble."""
     step_s: float = 0.0
     mfu: float = 0.0
-    """6 P tokens / (N peak step_s): the model-FLOPs utilization this layout could reach at best."""
+    """Model FLOPs (forward + backward, no recomputation) / (N peak step_s)."""
+    hfu: float = 0.0
+    """Hardware FLOPs (recomputation included) / (N peak step_s)."""
+    tflops_per_gpu: float = 0.0
+    """Hardware TFLOPS per GPU (recomputation included, as Megatron-LM reports it)."""
 
     @property
     def layout(self) -> str:
@@ -163,28 +152,8 @@ def check_layout(req: PlanRequest, dp: int, tp: int, pp: int, zero: int = 0) -> 
         raise ConfigError(f"global batch {req.batch} does not split over dp={dp}; use a multiple of {dp}")
 
 
-def _comm(req: PlanRequest, o: dict, params_on_gpu: float) -> tuple[dict, dict]:
-    """Bytes per GPU per step and seconds, by dimension (see the module docstring)."""
-    arch, spec = _arch(req.model), req.spec
-    dp, tp, pp, m, b = o["dp"], o["tp"], o["pp"], o["microbatches"], o["micro_batch"]
-    act = b * req.seq * arch["hidden_size"] * 2  # one micro-batch's (b, s, h) activation in bf16
-    layers = math.ceil(arch["num_hidden_layers"] / pp)
-    per_layer = 6 if req.checkpointing == "full" else 4
-    tp_bytes = per_layer * layers * m * 2 * (tp - 1) / tp * act
-    pp_bytes = 2 * m * act / tp if pp > 1 else 0.0
-    grads = 2 * params_on_gpu
-    dp_factor = (2 * m + 1) * (dp - 1) / dp if o["zero"] == 3 else 2 * (dp - 1) / dp
-    dp_bytes = dp_factor * grads
-    crosses = req.gpus > req.gpus_per_node
-    pp_bw = spec.network_gbs if (crosses and tp * pp > req.gpus_per_node) else spec.nvlink_gbs
-    dp_bw = spec.network_gbs if crosses else spec.nvlink_gbs
-    sent = {"tp": int(tp_bytes), "pp": int(pp_bytes), "dp": int(dp_bytes)}
-    secs = {"tp": tp_bytes / (spec.nvlink_gbs * 1e9), "pp": pp_bytes / (pp_bw * 1e9), "dp": dp_bytes / (dp_bw * 1e9)}
-    return sent, secs
-
-
 def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch: int) -> Option:
-    """Memory (estimator), communication, bubble and step time of one valid layout."""
+    """Memory (estimator) and step time (`labkit.perf_model`) of one valid layout."""
     from labkit.memory.estimate import MemoryConfig, estimate, spec_of
 
     per_replica = req.batch // dp
@@ -193,19 +162,25 @@ def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch
                        batch=per_replica, grad_accum=m, seq=req.seq, checkpointing=req.checkpointing,
                        sequence_parallel=tp > 1)
     est = estimate(cfg)
-    params = spec_of(cfg).params
-    share = est.weights / 2 / params * (dp if zero == 3 else 1)  # weights are 2 B/param before ZeRO-3
-    o = dict(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m, micro_batch=micro_batch)
-    sent, secs = _comm(req, o, share * params)
-    bubble = (pp - 1) / (m + pp - 1)
-    tokens = req.batch * req.seq
-    flops = 6 * params * tokens
-    factor = 8 / 6 if req.checkpointing == "full" else 1.0
-    compute = factor * flops / (req.gpus * req.spec.peak_tflops * 1e12)
-    step = compute / (1 - bubble) + sum(secs.values())
-    return Option(**o, memory_bytes=est.total, fits=est.total <= req.capacity_bytes, bubble=round(bubble, 4),
-                  comm_s={k: round(v, 4) for k, v in secs.items()}, comm_bytes=sent, compute_s=round(compute, 4),
-                  step_s=round(step, 4), mfu=round(flops / (req.gpus * req.spec.peak_tflops * 1e12 * step), 4))
+    spec = spec_of(cfg)
+    share = est.weights / 2 / spec.params * (dp if zero == 3 else 1)  # weights are 2 B/param before ZeRO-3
+    lay = perf_model.Layout(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, microbatches=m,
+                            checkpointing=req.checkpointing, zero=zero, sequence_parallel=tp > 1,
+                            flash=cfg.flash_attention)
+    t = perf_model.step_time(spec, lay, seq=req.seq, gpu=req.gpu, gpus_per_node=req.gpus_per_node,
+                             efficiency=req.efficiency, params_on_gpu=share * spec.params)
+    comm = {"tp": t.tp_s, "pp": t.pp_s, "dp": t.dp_s}
+    return Option(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m, micro_batch=micro_batch,
+                  memory_bytes=est.total, fits=est.total <= req.capacity_bytes, bubble=round(t.bubble, 4),
+                  comm_s={k: round(v, 4) for k, v in comm.items()}, comm_bytes=t.comm_bytes,
+                  compute_s=round(t.matmul_s + t.nonmatmul_s, 4), step_s=round(t.step_s, 4), mfu=round(t.mfu, 4),
+                  hfu=round(t.hfu, 4), tflops_per_gpu=round(t.tflops_per_gpu, 1))
+
+
+def assumption(req: PlanRequest) -> dict:
+    """The matmul efficiency a plan assumed and its source (JSON and text output)."""
+    return {"matmul_efficiency": req.efficiency.value, "source": req.efficiency.source,
+            "peak_tflops": req.spec.peak_tflops}
 
 
 def _divisors(n: int) -> list[int]:
@@ -224,6 +199,7 @@ class Plan:
 
     def to_dict(self, top: int | None = None) -> dict:
         return {"request": dataclasses.asdict(self.request), "capacity_gb": self.request.capacity_bytes / 1e9,
+                "assumption": assumption(self.request),
                 "fits": [o.to_dict() for o in self.fits[:top]], "too_big": [o.to_dict() for o in self.too_big[:top]],
                 "rejected": [dict(dp=d, tp=t, pp=p, reason=r) for d, t, p, r in self.rejected]}
 
@@ -257,14 +233,15 @@ def format_plan(p: Plan, top: int = 10) -> str:
     head = (f"{r.model} on {r.gpus} x {r.gpu} ({r.gpus // r.gpus_per_node or 1} node(s) x {r.gpus_per_node}), "
             f"global batch {r.batch} x {r.seq} tokens, usable {r.capacity_bytes / 1e9:.0f} GB/GPU")
     cols = f"{'rank':>4} {'dp':>3} {'tp':>3} {'pp':>3} {'zero':>4} {'m':>4} {'b':>2} {'GB/GPU':>7} {'bubble':>6} " \
-           f"{'tp_s':>6} {'pp_s':>6} {'dp_s':>6} {'step_s':>7} {'mfu':>5}"
+           f"{'tp_s':>6} {'pp_s':>6} {'dp_s':>6} {'step_s':>7} {'mfu':>5} {'hfu':>5} {'TFLOPS':>6}"
     lines = [head, cols]
     for i, o in enumerate(p.fits[:top], 1):
         lines.append(f"{i:>4} {o.dp:>3} {o.tp:>3} {o.pp:>3} {o.zero:>4} {o.microbatches:>4} {o.micro_batch:>2} "
                      f"{o.memory_bytes / 1e9:>7.1f} {o.bubble:>6.3f} {o.comm_s['tp']:>6.2f} {o.comm_s['pp']:>6.2f} "
-                     f"{o.comm_s['dp']:>6.2f} {o.step_s:>7.2f} {o.mfu:>5.2f}")
+                     f"{o.comm_s['dp']:>6.2f} {o.step_s:>7.2f} {o.mfu:>5.2f} {o.hfu:>5.2f} {o.tflops_per_gpu:>6.0f}")
     if not p.fits:
         lines.append("   (no layout fits: more GPUs, a bigger GPU, or a smaller batch / sequence)")
+    lines.append(format_assumption(r))
     lines.append(f"{len(p.fits)} layout(s) fit, {len(p.too_big)} exceed {r.capacity_bytes / 1e9:.0f} GB, "
                  f"{len(p.rejected)} rejected:")
     for dp, tp, pp, reason in p.rejected[:8]:
@@ -272,6 +249,12 @@ def format_plan(p: Plan, top: int = 10) -> str:
     if len(p.rejected) > 8:
         lines.append(f"  ... and {len(p.rejected) - 8} more (--json lists all)")
     return "\n".join(lines)
+
+
+def format_assumption(req: PlanRequest) -> str:
+    e = req.efficiency
+    return (f"assumes matmuls at {e.value:.0%} of the {req.spec.peak_tflops:.0f} TFLOPS peak "
+            f"({e.source}); checkpointing {req.checkpointing}")
 
 
 def planner_widget(model: str = "gpt3-175b", gpus: int = 64, gpus_per_node: int = 8, gpu: str = "a100-80gb"):

@@ -99,6 +99,8 @@ def test_cli_ranks_layouts(capsys):
     assert lines[0].startswith("gpt3-175b on 64 x a100-80gb") and lines[1].split()[:4] == ["rank", "dp", "tp", "pp"]
     assert [line.split()[0] for line in lines[2:5]] == ["1", "2", "3"]
     assert "tp=16 > 8 GPUs per node" in out
+    assert lines[1].split()[-3:] == ["mfu", "hfu", "TFLOPS"]
+    assert "assumes matmuls at" in out and "published_runs.json" in out  # which assumption, and its source
 
 
 def test_cli_json_and_the_512_gpu_error(capsys):
@@ -106,8 +108,12 @@ def test_cli_json_and_the_512_gpu_error(capsys):
                              "--batch", "64", "--seq", "1024", "--top", "2"], capsys)
     data = json.loads(out)
     assert code == 0 and data["request"]["batch"] == 64 and len(data["fits"]) == 2
-    keys = {"dp", "tp", "pp", "zero", "microbatches", "memory_bytes", "bubble", "comm_s", "step_s"}
+    keys = {"dp", "tp", "pp", "zero", "microbatches", "memory_bytes", "bubble", "comm_s", "step_s", "mfu", "hfu",
+            "tflops_per_gpu"}
     assert keys <= set(data["fits"][0])
+    assert 0 < data["assumption"]["matmul_efficiency"] <= 1 and data["assumption"]["source"]
+    best = data["fits"][0]
+    assert best["mfu"] <= best["hfu"] and best["tflops_per_gpu"] == pytest.approx(best["hfu"] * 312, abs=0.1)
     code, out, err = run_main(["plan", "--model", "gpt3-175b", "--gpus", "64", "--gpus-per-node", "8",
                                "--tp", "8", "--pp", "8", "--dp", "8"], capsys)
     assert code == 2 and "= 512 != gpus(64)" in err
@@ -116,7 +122,18 @@ def test_cli_json_and_the_512_gpu_error(capsys):
 def test_cli_checks_one_layout(capsys):
     code, out, _ = run_main(["plan", "--model", "gpt3-175b", "--gpus", "64", "--gpus-per-node", "8",
                              "--tp", "8", "--pp", "8", "--dp", "1"], capsys)
-    assert code == 0 and "dp=1 tp=8 pp=8 zero=0" in out and "fits" in out
+    assert code == 0 and "dp=1 tp=8 pp=8 zero=0" in out and "fits" in out and "assumes matmuls at" in out
+    code, out, _ = run_main(["plan", "--model", "gpt3-175b", "--gpus", "64", "--gpus-per-node", "8", "--tp", "8",
+                             "--pp", "8", "--dp", "1", "--matmul-efficiency", "0.5", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["assumption"]["matmul_efficiency"] == 0.5 and "caller" in data["assumption"]["source"]
+
+
+def test_the_old_optimistic_mfu_is_gone():
+    """Issue 19: matmuls at 100 % of peak planned mfu 0.86 / 0.69; published A100 runs reach <= 0.563."""
+    one = planner.evaluate(planner.PlanRequest(model="gpt3-175b", gpus=64, gpus_per_node=8, batch=256,
+                                               checkpointing="selective"), dp=1, tp=8, pp=8, zero=0, micro_batch=1)
+    assert 0.45 < one.mfu < 0.65 and one.hfu > one.mfu
 
 
 def test_plan_does_not_import_torch():

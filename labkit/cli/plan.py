@@ -4,7 +4,10 @@
     labkit plan --model gpt3-175b --gpus 64 --gpus-per-node 8 --tp 8 --pp 8 --dp 8   # why not? (exit 2)
 
 Core: `labkit.planner` (pure Python, no torch). With --dp/--tp/--pp it checks that one layout and
-prints its estimate or the reason it cannot run.
+prints its estimate or the reason it cannot run. Step times come from `labkit.perf_model`: matmuls at an
+achievable share of peak (`--matmul-efficiency`, else the node's measurement in
+~/.cache/labkit/matmul_efficiency.json or $LABKIT_MATMUL_FILE, else the published-runs default); the
+output says which it used.
 """
 from __future__ import annotations
 
@@ -17,10 +20,11 @@ from labkit.errors import ConfigError
 
 
 def run_plan(*, model: str, gpus: int, gpus_per_node: int, gpu: str, batch=None, seq=None, top: int = 10,
-             dp=None, tp=None, pp=None, zero: int = 0, checkpointing: str = "full") -> dict:
+             dp=None, tp=None, pp=None, zero: int = 0, checkpointing: str = "full",
+             matmul_efficiency: float | None = None) -> dict:
     """The pure core: the plan (or one checked layout) as JSON data."""
     req = planner.PlanRequest(model=model, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, batch=batch, seq=seq,
-                              checkpointing=checkpointing)
+                              checkpointing=checkpointing, matmul_efficiency=matmul_efficiency)
     if any(v is not None for v in (dp, tp, pp)):
         dp, tp, pp = (v or 1 for v in (dp, tp, pp))
         planner.check_layout(req, dp, tp, pp, zero)  # ConfigError names the reason
@@ -30,6 +34,7 @@ def run_plan(*, model: str, gpus: int, gpus_per_node: int, gpu: str, batch=None,
             raise ConfigError(f"global batch {req.batch} leaves fewer than pp={pp} micro-batches per pipeline; "
                               f"use --batch {dp * pp} or more")
         return {"request": planner.dataclasses.asdict(req), "capacity_gb": req.capacity_bytes / 1e9,
+                "assumption": planner.assumption(req),
                 "layout": [o.to_dict() for o in sorted(options, key=lambda o: o.step_s)]}
     return planner.plan(req).to_dict(top=top)
 
@@ -40,7 +45,11 @@ def format_layout(data: dict) -> str:
     for o in data["layout"]:
         verdict = "fits" if o["fits"] else "DOES NOT FIT"
         lines.append(f"  {o['layout']} (micro-batch {o['micro_batch']}): {o['memory_gb']:.1f} GB/GPU {verdict}, "
-                     f"bubble {o['bubble']:.3f}, step {o['step_s']:.2f} s, comm s {o['comm_s']}")
+                     f"bubble {o['bubble']:.3f}, step {o['step_s']:.2f} s, mfu {o['mfu']:.2f}, hfu {o['hfu']:.2f}, "
+                     f"{o['tflops_per_gpu']:.0f} TFLOPS/GPU, comm s {o['comm_s']}")
+    a = data["assumption"]
+    lines.append(f"assumes matmuls at {a['matmul_efficiency']:.0%} of the {a['peak_tflops']:.0f} TFLOPS peak "
+                 f"({a['source']})")
     return "\n".join(lines)
 
 
@@ -57,6 +66,8 @@ def format_layout(data: dict) -> str:
 @click.option("--tp", type=int, default=None)
 @click.option("--pp", type=int, default=None)
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True, help="ZeRO stage with --dp/--tp/--pp")
+@click.option("--matmul-efficiency", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="share of peak the GEMMs reach [the node's measurement, else the published-runs default]")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def command(as_json: bool, top: int, **options) -> None:
     """Enumerate and rank (dp, tp, pp, ZeRO stage, micro-batches) for MODEL on GPUS GPUs."""
@@ -64,6 +75,6 @@ def command(as_json: bool, top: int, **options) -> None:
         data = run_plan(top=top, **options)
         click.echo(json.dumps(data, indent=1) if as_json else format_layout(data))
         return
-    keys = ("model", "gpus", "gpus_per_node", "gpu", "batch", "seq", "checkpointing")
+    keys = ("model", "gpus", "gpus_per_node", "gpu", "batch", "seq", "checkpointing", "matmul_efficiency")
     result = planner.plan(planner.PlanRequest(**{k: options[k] for k in keys}))
     click.echo(json.dumps(result.to_dict(top=top), indent=1) if as_json else planner.format_plan(result, top=top))
