@@ -24,6 +24,7 @@ SUBCOMMANDS = {
     "check": "check",
     "grade": "grade",
     "slides": "slides",
+    "bench": "bench",
 }
 
 
