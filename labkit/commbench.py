@@ -191,7 +191,8 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    gpu = torch.cuda.is_available()
+    # NCCL needs one GPU per local rank; fewer GPUs than ranks (or none) measure gloo on the CPU.
+    gpu = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if gpu else "gloo")
