@@ -235,19 +235,29 @@ def _run(args: argparse.Namespace, src: Path, dst: Path) -> dict[str, Any]:
                 "cap): the notebook wrote too much, so its executed copy could not be saved"}
 
 
-def _report(fd: int, result: dict[str, Any], notebook: bytes = b"") -> None:
-    with os.fdopen(fd, "wb", closefd=False) as out:
+_REPORTED = threading.Lock()  # held by whichever reports first: the run or its guard
+
+
+def _report(args: argparse.Namespace, result: dict[str, Any], dst: Path) -> None:
+    """Write the one report: a JSON line, then the executed notebook when it is within the output cap."""
+    if not _REPORTED.acquire(blocking=False):
+        return
+    if _size(dst) > args.output_bytes:
+        result = {"outcome": OUTPUT_CAP, "detail": _cap_detail(args.output_bytes)}
+    notebook = dst.read_bytes() if result["outcome"] != OUTPUT_CAP and dst.exists() else b""
+    with os.fdopen(args.report_fd, "wb", closefd=False) as out:
         out.write(json.dumps(result).encode() + b"\n" + notebook)
 
 
-def _guard_output(dst: Path, args: argparse.Namespace) -> None:
-    """Stop everything once the executed notebook passes the output cap (the grader cannot see scratch)."""
-    while True:
+def _guard(dst: Path, args: argparse.Namespace) -> None:
+    """Stop everything at the output cap or past the deadline, reporting what ran so far: the grader cannot
+    see the scratch tmpfs, so a notebook lost to its hard kill (at timeout + GRACE_S) would lose every cell."""
+    deadline = time.monotonic() + args.timeout + GRACE_S / 2
+    while _size(dst) <= args.output_bytes and time.monotonic() < deadline:
         time.sleep(_POLL_S)
-        if _size(dst) > args.output_bytes:
-            _report(args.report_fd, {"outcome": OUTPUT_CAP, "detail": _cap_detail(args.output_bytes)})
-            _kill_tree(os.getpid())  # the kernel and its children; killpg would also hit this process first
-            os._exit(0)
+    _report(args, {"outcome": TIMEOUT, "detail": f"still running after {args.timeout:g} s"}, dst)
+    _kill_tree(os.getpid())  # the kernel and its children (killpg may end this process too: reported already)
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,14 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         (args.scratch / name).mkdir(parents=True, exist_ok=True)
     src, dst = args.scratch / "submission.ipynb", args.scratch / "executed.ipynb"
     src.write_bytes(sys.stdin.buffer.read())
-    threading.Thread(target=_guard_output, args=(dst, args), daemon=True).start()
+    threading.Thread(target=_guard, args=(dst, args), daemon=True).start()
     try:
         result = _run(args, src, dst)
     except BaseException as exc:  # noqa: BLE001 - report whatever stopped papermill
         result = {"outcome": FAILED, "detail": f"papermill failed: {type(exc).__name__}: {str(exc)[:300]}"}
-    if _size(dst) > args.output_bytes:
-        result = {"outcome": OUTPUT_CAP, "detail": _cap_detail(args.output_bytes)}
-    _report(args.report_fd, result, dst.read_bytes() if result["outcome"] != OUTPUT_CAP and dst.exists() else b"")
+    _report(args, result, dst)
     return 0
 
 
