@@ -20,7 +20,7 @@ import labkit
 from labkit.cli import cli, main
 from labkit.grading import isolation, registry
 from labkit.grading.batch import GradeOptions, run_batch
-from labkit.grading.isolation import BUBBLEWRAP, NONE, Isolation, View, bwrap_command, mount_plan
+from labkit.grading.isolation import BUBBLEWRAP, MOUNT_NS, NONE, Isolation, View, command, mount_plan
 
 
 def _load(name: str, path: str):
@@ -40,12 +40,23 @@ def _require_bubblewrap() -> Isolation:
     return iso
 
 
-def _sandboxed(view: View, script: str) -> subprocess.CompletedProcess:
-    return subprocess.run(bwrap_command(view, ["sh", "-c", script]), capture_output=True, text=True, timeout=60)
+def _sandboxed(level: str, view: View, script: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command(Isolation(level, level, True), view, ["sh", "-c", script]), capture_output=True,
+                          text=True, timeout=60)
 
 
-def test_private_paths_are_absent_needed_paths_readable_and_only_scratch_writable(tmp_path):
-    _require_bubblewrap()
+@pytest.fixture(params=[BUBBLEWRAP, MOUNT_NS])
+def level(request):
+    """Both file-system isolation levels, each required: bubblewrap (installed by `make test`) and its
+    fallback through plain `unshare` (util-linux, always present)."""
+    if request.param == BUBBLEWRAP:
+        _require_bubblewrap()
+    else:
+        assert isolation._probe(MOUNT_NS, False) is None, "unshare cannot build a mount namespace here"
+    return request.param
+
+
+def test_private_paths_are_absent_needed_paths_readable_and_only_scratch_writable(tmp_path, level):
     home, out, scratch = tmp_path / "home", tmp_path / "out", tmp_path / "scratch"
     for d in (home / "venv", out, scratch):
         d.mkdir(parents=True)
@@ -56,20 +67,20 @@ def test_private_paths_are_absent_needed_paths_readable_and_only_scratch_writabl
     view = View(scratch, 2**20, private=(out, home / "venv" / "checks.py"), masked=(home,),
                 needed=(home / "venv",))
     assert ("bind", home / "venv") in mount_plan(view)
-    probe = _sandboxed(view, f"""
+    probe = _sandboxed(level, view, f"""
         cat {home}/venv/lib.py; echo
         for p in {home}/venv/checks.py {home}/notes.txt {out}/grades.csv; do test -e $p && echo "SEEN $p"; done
         for p in {home}/venv/x {tmp_path}/x {out}/x; do touch $p 2>/dev/null && echo "WROTE $p"; done
-        touch {scratch}/ok && echo scratch-writable""")
-    assert probe.stdout.split() == ["needed", "scratch-writable"], probe.stdout + probe.stderr
+        touch {scratch}/ok && echo scratch-writable
+        umount {home} 2>/dev/null && echo UNMOUNTED; grep CapEff /proc/self/status""")
+    assert probe.stdout.split() == ["needed", "scratch-writable", "CapEff:", "0" * 16], probe.stdout + probe.stderr
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(
         ["home", "out", "scratch", "venv", "lib.py", "checks.py", "notes.txt", "grades.csv"])
 
 
-def test_scratch_is_a_capped_tmpfs(tmp_path):
-    _require_bubblewrap()
+def test_scratch_is_a_capped_tmpfs(tmp_path, level):
     view = View(tmp_path, 4 * 2**20)
-    probe = _sandboxed(view, f"head -c 8M /dev/zero > {tmp_path}/fill; echo rc=$?")
+    probe = _sandboxed(level, view, f"head -c 8M /dev/zero > {tmp_path}/fill; echo rc=$?")
     assert "No space left on device" in probe.stderr and "rc=1" in probe.stdout
     assert list(tmp_path.iterdir()) == []  # a fresh tmpfs: nothing reached the host directory
 
@@ -136,8 +147,9 @@ def test_hostile_submissions_touch_nothing_but_their_own_row(tmp_path, monkeypat
     honest = corpus.demo_notebook()
     for student in ("ann", "bob"):
         corpus.write(subs, student, honest)
-    attacks = hostile.cells(neighbour=subs / "bob" / f"{corpus.DEMO}.ipynb", other=subs / "ann" / f"{corpus.DEMO}.ipynb",
-                            checks=checks, out=out, outside=outside, grader_pid=os.getpid())
+    attacks = hostile.cells(neighbour=subs / "bob" / f"{corpus.DEMO}.ipynb",
+                            other=subs / "ann" / f"{corpus.DEMO}.ipynb", checks=checks, out=out, outside=outside,
+                            grader_pid=os.getpid())
     for student, cell in attacks.items():
         corpus.write(subs, student, corpus.demo_notebook(extra=cell))
     before = {p: p.read_bytes() for p in subs.rglob("*.ipynb")}
@@ -190,3 +202,31 @@ def _one(subs: Path, student: str, root: Path) -> Path:
     src = subs / student / f"{corpus.DEMO}.ipynb"
     (root / student / src.name).write_bytes(src.read_bytes())
     return root
+
+
+@pytest.mark.slow
+def test_the_unshare_fallback_grades_honest_work_and_stops_hostile_work(tmp_path, monkeypatch):
+    assert isolation._probe(MOUNT_NS, False) is None, "unshare cannot build a mount namespace here"
+    fallback = Isolation(MOUNT_NS, "unshare (test)", True)
+    monkeypatch.setattr(isolation, "detect", lambda network=False: fallback)
+    subs, checks = tmp_path / "subs", tmp_path / "private" / "checks.py"
+    checks.parent.mkdir()
+    checks.write_text(hostile.PRIVATE_CHECKS)
+    corpus.write(subs, "ann", corpus.demo_notebook())
+    ann = subs / "ann" / f"{corpus.DEMO}.ipynb"
+    attacks = hostile.cells(neighbour=ann, other=ann, checks=checks, out=tmp_path / "out",
+                            outside=tmp_path / "outside", grader_pid=os.getpid())
+    for student in ("overwriter", "checkreader", "filler"):
+        corpus.write(subs, student, corpus.demo_notebook(extra=attacks[student]))
+    registry.register(corpus.DEMO, corpus.demo_checks())
+    try:
+        result = run_batch(subs, tmp_path / "out", GradeOptions(execute=True, workers=2, limits=_limits(),
+                                                                 private=(str(checks),)))
+    finally:
+        registry.unregister(corpus.DEMO)
+    rows = {r.student: r for r in result.rows}
+    assert result.isolation == fallback
+    assert (rows["ann"].status, rows["ann"].score) == ("graded", corpus.TOTAL_POINTS), rows["ann"].detail
+    assert "cell 4 raised FileNotFoundError" in rows["checkreader"].detail
+    assert "cell 4 raised" in rows["overwriter"].detail and "No space left on device" in rows["filler"].detail
+    assert all(rows[s].status == "error" for s in ("overwriter", "checkreader", "filler"))

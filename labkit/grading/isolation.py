@@ -9,12 +9,15 @@ bound back, read-only.
 Levels, best first:
 - `bubblewrap`: Debian's `bwrap` builds the view in new mount, PID, network, IPC and UTS namespaces, with
   every capability dropped (root in the sandbox could otherwise unmount a mask);
+- `mount-namespace`: the same view built by labkit.grading.mountns inside plain `unshare` user, mount, PID
+  and network namespaces, where bubblewrap is missing;
 - `none`: no file-system isolation. Network and PID namespaces are still used where `unshare` allows;
   `labkit grade --execute` refuses this level unless `--unsafe-no-isolation` is given.
 """
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import subprocess
@@ -23,7 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-BUBBLEWRAP, NONE = "bubblewrap", "none"
+BUBBLEWRAP, MOUNT_NS, NONE = "bubblewrap", "mount-namespace", "none"
 
 
 @dataclass(frozen=True)
@@ -134,10 +137,24 @@ def bwrap_command(view: View, argv: list[str]) -> list[str]:
     return [*cmd, "--chdir", str(view.scratch), "--", *argv]
 
 
+def unshare_command(view: View, argv: list[str]) -> list[str]:
+    """`unshare ... python -m labkit.grading.mountns PLAN -- argv` building `view` (level mount-namespace)."""
+    ops = mount_plan(view)
+    plan = {"ops": [(kind, str(p)) for kind, p in ops], "scratch": str(view.scratch),
+            "scratch_bytes": view.scratch_bytes, "links": {str(p): os.readlink(p) for k, p in ops if k == "symlink"}}
+    ip = shutil.which("ip") or shutil.which("ip", path="/usr/sbin:/sbin") or "ip"
+    net = () if view.network else ("--net", "sh", "-c", f'{ip} link set lo up && exec "$@"', "sh")
+    return [shutil.which("unshare") or "unshare", "--user", "--map-root-user", "--mount", "--propagation", "private",
+            "--pid", "--fork", "--kill-child", "--mount-proc", *net[:1], *net[1:],
+            sys.executable, "-m", "labkit.grading.mountns", json.dumps(plan), "--", *argv]
+
+
 def command(iso: Isolation, view: View, argv: list[str]) -> list[str]:
     """The command running `argv` under `iso` with `view` (ignored at level none)."""
     if iso.level == BUBBLEWRAP:
         return bwrap_command(view, argv)
+    if iso.level == MOUNT_NS:
+        return unshare_command(view, argv)
     return [*(() if view.network else _unshare_prefix()[0]), *argv]
 
 
@@ -167,27 +184,44 @@ def kernel_spec_dir(kernel: str) -> Path | None:
         return None
 
 
+def _probe(level: str, network: bool) -> str | None:
+    """None when `level` builds a view on this machine, else why not (last line of its error)."""
+    with tempfile.TemporaryDirectory(prefix="labkit-probe-") as tmp:
+        scratch = Path(tmp).resolve()
+        view = View(scratch, 2**20, masked=(scratch.parent,), network=network)
+        try:
+            probe = subprocess.run(command(Isolation(level, "", False), view, ["true"]), capture_output=True,
+                                   timeout=30, env={**os.environ, "PYTHONPATH": _labkit_path()})
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return str(exc)[:120]
+    if probe.returncode == 0:
+        return None
+    return (probe.stderr.decode(errors="replace").strip().splitlines() or ["no message"])[-1][:120]
+
+
+def _labkit_path() -> str:
+    import labkit
+    return os.pathsep.join([str(Path(labkit.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])
+
+
 @functools.lru_cache(maxsize=None)
 def detect(network: bool = False) -> Isolation:
     """The best isolation this machine allows (probed once per process)."""
-    bwrap = shutil.which("bwrap")
+    net = "network allowed" if network else "no network"
+    hidden = f"private scratch tmpfs, checks/--out/other submissions/homes hidden, {net}, own PID namespace"
     why = "bubblewrap not installed: `sudo apt-get install bubblewrap` (`make test` installs it)"
-    if bwrap:
-        with tempfile.TemporaryDirectory(prefix="labkit-probe-") as tmp:
-            view = View(Path(tmp).resolve(), 2**20, masked=(Path(tmp).resolve().parent,), network=network)
-            try:
-                probe = subprocess.run(bwrap_command(view, ["true"]), capture_output=True, timeout=20)
-                why = (probe.stderr.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
-                ok = probe.returncode == 0
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                ok, why = False, str(exc)
-        if ok:
-            version = subprocess.run([bwrap, "--version"], capture_output=True, text=True).stdout.split()
-            net = "network allowed" if network else "no network"
-            return Isolation(BUBBLEWRAP, f"{' '.join(version) or 'bubblewrap'}: read-only file system, private "
-                             f"scratch tmpfs, checks/--out/other submissions/homes hidden, {net}, own PID "
-                             "namespace", not network)
-        why = f"bubblewrap failed: {why[:120]}"
+    if shutil.which("bwrap"):
+        failed = _probe(BUBBLEWRAP, network)
+        if failed is None:
+            version = subprocess.run(["bwrap", "--version"], capture_output=True, text=True).stdout.strip()
+            return Isolation(BUBBLEWRAP, f"{version or 'bubblewrap'}: read-only file system, {hidden}", not network)
+        why = f"bubblewrap failed: {failed}"
+    if shutil.which("unshare"):
+        failed = _probe(MOUNT_NS, network)
+        if failed is None:
+            return Isolation(MOUNT_NS, f"unshare (no bubblewrap: {why}): read-only file system, {hidden}",
+                             not network)
+        why += f"; unshare failed: {failed}"
     prefix, net = ((), "network allowed") if network else _unshare_prefix()
     return Isolation(NONE, f"file system NOT isolated ({why}); {net}", bool(prefix))
 
