@@ -191,7 +191,7 @@ def _probe(level: str, network: bool) -> str | None:
         view = View(scratch, 2**20, masked=(scratch.parent,), network=network)
         try:
             probe = subprocess.run(command(Isolation(level, "", False), view, ["true"]), capture_output=True,
-                                   timeout=30, env={**os.environ, "PYTHONPATH": _labkit_path()})
+                                   timeout=30, env={**os.environ, "PYTHONPATH": labkit_path()})
         except (OSError, subprocess.TimeoutExpired) as exc:
             return str(exc)[:120]
     if probe.returncode == 0:
@@ -199,9 +199,12 @@ def _probe(level: str, network: bool) -> str | None:
     return (probe.stderr.decode(errors="replace").strip().splitlines() or ["no message"])[-1][:120]
 
 
-def _labkit_path() -> str:
+def labkit_path() -> str:
+    """PYTHONPATH with the directory holding this labkit first (the sandboxed processes import the same one)."""
     import labkit
-    return os.pathsep.join([str(Path(labkit.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])
+
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join([str(Path(labkit.__file__).resolve().parents[1]), *rest])
 
 
 @functools.lru_cache(maxsize=None)

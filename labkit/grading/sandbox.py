@@ -153,6 +153,7 @@ def scratch_env(scratch: Path, kernel: str = "labkit") -> dict[str, str]:
     dirs = {"HOME": "home", "TMPDIR": "tmp", "JUPYTER_RUNTIME_DIR": "runtime", "IPYTHONDIR": "ipython",
             "MPLCONFIGDIR": "mpl", "XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config"}
     env.update({k: str(scratch / d) for k, d in dirs.items()})
+    env["PYTHONPATH"] = iso_mod.labkit_path()  # executor and kernel import the grader's labkit
     spec = iso_mod.kernel_spec_dir(kernel)
     # Figures render as in Jupyter (a `figure_present` check must see them), whatever the grader's MPLBACKEND.
     env.update({"PYDEVD_DISABLE_FILE_VALIDATION": "1", "MPLBACKEND": "module://matplotlib_inline.backend_inline",
