@@ -230,3 +230,18 @@ def test_the_unshare_fallback_grades_honest_work_and_stops_hostile_work(tmp_path
     assert "cell 4 raised FileNotFoundError" in rows["checkreader"].detail
     assert "cell 4 raised" in rows["overwriter"].detail and "No space left on device" in rows["filler"].detail
     assert all(rows[s].status == "error" for s in ("overwriter", "checkreader", "filler"))
+
+
+def test_each_execution_gets_a_private_copy_of_the_torch_extensions_cache(tmp_path, monkeypatch):
+    """DeepSpeed takes a lock file in TORCH_EXTENSIONS_DIR even to load a built op: read-only there, so the
+    executor copies the cache into its scratch (a stale lock left out: it would make the load wait forever)."""
+    from labkit.grading.sandbox import _private_extensions
+
+    cache, scratch = tmp_path / "ext", tmp_path / "scratch"
+    (cache / "cpu_adam").mkdir(parents=True)
+    (cache / "cpu_adam" / "cpu_adam.so").write_bytes(b"\x7fELF")
+    (cache / "cpu_adam" / "lock").touch()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(cache))
+    _private_extensions(scratch)
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(scratch / "torch_extensions")
+    assert sorted(p.name for p in (scratch / "torch_extensions").rglob("*")) == ["cpu_adam", "cpu_adam.so"]

@@ -21,6 +21,7 @@ import argparse
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -261,6 +262,17 @@ def _guard(dst: Path, args: argparse.Namespace) -> None:
     os._exit(0)
 
 
+def _private_extensions(scratch: Path) -> None:
+    """DeepSpeed JIT-loads its C++ ops from TORCH_EXTENSIONS_DIR and takes a lock file there even when they are
+    built, so each execution gets a private copy (~20 MB): the original is read-only in the sandbox, and a
+    shared writable cache would let one notebook plant code in the next one's ops."""
+    src = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if src and Path(src).is_dir():
+        dst = scratch / "torch_extensions"
+        shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(dst)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labkit.grading.sandbox")
     parser.add_argument("scratch", type=Path)
@@ -279,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.scratch / name).mkdir(parents=True, exist_ok=True)
     src, dst = args.scratch / "submission.ipynb", args.scratch / "executed.ipynb"
     src.write_bytes(sys.stdin.buffer.read())
+    _private_extensions(args.scratch)
     threading.Thread(target=_guard, args=(dst, args), daemon=True).start()
     try:
         result = _run(args, src, dst)
