@@ -1,0 +1,212 @@
+"""CPU tests of the code around the GPU-only branches (issue 14: GPU-faithful runtime).
+
+Every CUDA call these branches make is replaced by a recording stand-in, so the tests check what
+is called, in which order and with what, and everything that does not need a GPU runs for real.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from labkit.train import batch_finder, metrics
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's memory / sync calls replaced by recorders: returns the list of (name, args)."""
+    calls: list[tuple] = []
+    for name in ("empty_cache", "reset_peak_memory_stats", "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name, **k: calls.append((_n, a)))
+    return calls
+
+
+# ------------------------------------------------------------------------------ 19: peaks and MFU
+@pytest.mark.parametrize("name, dtype, tf32, peak", [
+    ("NVIDIA A100-SXM4-80GB", "float32", False, 19.5),
+    ("NVIDIA A100 80GB PCIe", "float32", True, 156.0),
+    ("NVIDIA A100-SXM4-80GB", "bfloat16", False, 312.0),
+    ("NVIDIA H100 80GB HBM3", "float32", False, 67.0),
+    ("NVIDIA H100 80GB HBM3", "bfloat16", False, 989.0),
+    ("NVIDIA H100 PCIe", "bfloat16", False, 756.0),
+    ("NVIDIA H100 PCIe", "float32", False, 51.0),
+    ("NVIDIA H100 NVL", "bfloat16", False, 835.0),
+    ("Tesla V100-SXM2-32GB", "float16", False, 125.0),
+    ("Tesla V100-PCIE-32GB", "float16", False, 112.0),
+    ("Tesla V100-SXM2-32GB", "bfloat16", False, 0.0),  # no bf16 tensor cores: no peak, MFU 0
+    ("NVIDIA GeForce RTX 4090", "bfloat16", False, 0.0),
+])
+def test_peak_table_matches_the_sku_and_uses_fp32_unless_tf32_is_on(name, dtype, tf32, peak):
+    assert metrics.peak_for(name, dtype, tf32=tf32) == peak
+
+
+def test_tf32_follows_torchs_matmul_precision():
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert not metrics.tf32_enabled()
+        torch.set_float32_matmul_precision("high")
+        assert metrics.tf32_enabled()
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(5) for m in (nn.Linear(64, 64), nn.ReLU())], nn.Linear(64, 10))
+
+
+def test_flops_of_a_compiled_model_are_counted_on_the_uncompiled_module():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, x = _mlp(), torch.randn(8, 64)
+    compiled = torch.compile(model)  # wrapping only: nothing is compiled until it is called
+    counted = metrics.uncompiled_step_flops(compiled, [x, x])
+    real = FlopCounterMode(display=False)
+    with real:
+        for _ in range(2):
+            model(x).sum().backward()
+    assert counted > 0
+    # 3 x forward is the Kaplan estimate: an upper bound (the first layer has no input gradient)
+    assert real.get_total_flops() <= counted <= 1.15 * real.get_total_flops()
+
+
+def test_uncompiled_flops_leave_batchnorm_statistics_and_mode_alone():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    before = model[1].running_mean.clone()
+    metrics.uncompiled_step_flops(torch.compile(model), [torch.randn(2, 3, 8, 8) + 5])
+    assert torch.equal(model[1].running_mean, before) and model.training
+
+
+# ------------------------------------------------------------------------------ 21: cudnn.benchmark
+def test_cudnn_benchmark_is_switched_on_for_cuda_only(monkeypatch):
+    from labkit.train.loop import configure_backends
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    configure_backends(torch.device("cpu"))
+    assert torch.backends.cudnn.benchmark is False
+    configure_backends(torch.device("cuda", 0))
+    assert torch.backends.cudnn.benchmark is True
+    assert torch.get_float32_matmul_precision() == "highest"  # fp32 stays fp32: MFU uses the fp32 peak
+
+
+# ------------------------------------------------------------------------------ 6 / 17: batch finder
+@pytest.mark.parametrize("message", [
+    "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+    "cuDNN error: CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
+    "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+    "CUDA error: out of memory",
+])
+def test_library_allocation_errors_count_as_out_of_memory(message):
+    assert batch_finder.is_oom(RuntimeError(message))
+
+
+def test_other_errors_are_not_out_of_memory():
+    assert not batch_finder.is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not batch_finder.is_oom(ValueError("out of memory"))  # only RuntimeErrors come from the device
+    assert batch_finder.is_oom(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+
+
+def _failing_above(monkeypatch, largest: int, exc: Exception) -> list:
+    """Make the finder's probe step raise `exc` for micro-batches above `largest`; returns the batches tried."""
+    real = batch_finder._probe_hook
+    tried: list = []
+
+    def probe_hook(*args, **kwargs):
+        cfg, hook = real(*args, **kwargs)
+        step = hook.train_step
+
+        def train_step(micro, loss_fn):
+            b = micro[0][0].shape[0]
+            tried.append(b)
+            if b > largest:
+                raise exc
+            return step(micro, loss_fn)
+
+        hook.train_step = train_step
+        return cfg, hook
+
+    monkeypatch.setattr(batch_finder, "_probe_hook", probe_hook)
+    return tried
+
+
+def test_finder_treats_a_cublas_allocation_failure_as_the_boundary(monkeypatch):
+    _failing_above(monkeypatch, 5, RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
+    report = batch_finder.find_max_batch("tiny-llama", budget_mb=10_000, limit=64)
+    assert report["max_micro_batch"] == 5 and not report["limit_reached"]
+    assert [b for b, peak in report["probes"] if peak is None] == [8, 6]  # doubling stops at 8, bisection 4..8
+
+
+def test_finder_lets_other_errors_through(monkeypatch):
+    _failing_above(monkeypatch, 1, RuntimeError("expected scalar type Float but found BFloat16"))
+    with pytest.raises(RuntimeError, match="scalar type"):
+        batch_finder.find_max_batch("tiny-llama", budget_mb=10_000, limit=64)
+
+
+def test_finder_says_when_the_limit_and_not_the_memory_stopped_it(monkeypatch):
+    tried = _failing_above(monkeypatch, 10_000, RuntimeError("never"))
+    report = batch_finder.find_max_batch("tiny-llama", budget_mb=10_000, limit=8)
+    assert report["max_micro_batch"] == 8 and report["limit_reached"] and report["limit"] == 8
+    assert tried == [1, 2, 4, 8]
+    assert batch_finder.DEFAULT_LIMIT >= 16384  # ResNet-50 on 80 GB runs out of memory below the cap
+
+
+def test_finder_frees_the_device_at_the_end(monkeypatch, fake_cuda):
+    freed: list = []
+    real = metrics.free_device_memory
+    monkeypatch.setattr(batch_finder, "free_device_memory", lambda d, **k: freed.append((str(d), k)) or real(d, **k))
+    batch_finder.find_max_batch("tiny-llama", budget_mb=10_000, limit=2)
+    assert freed[-1] == ("cpu", {"reset_peak": True})  # after the search, the probe model released
+    assert fake_cuda == []  # on CPU no CUDA call is made
+
+
+def test_free_device_memory_on_cuda_empties_the_cache_and_resets_the_peak(fake_cuda):
+    metrics.free_device_memory("cuda:0", reset_peak=True)
+    assert [name for name, _ in fake_cuda] == ["synchronize", "empty_cache", "reset_peak_memory_stats"]
+    fake_cuda.clear()
+    metrics.free_device_memory("cuda:0")
+    assert [name for name, _ in fake_cuda] == ["synchronize", "empty_cache"]
+
+
+# ------------------------------------------------------------------------------ 4: runs of one launch
+class _Cycle(nn.Module):
+    """A model in a reference cycle (as hooks and engines make them): only gc.collect frees it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1024))
+        self.me = [self]
+
+
+def test_runs_of_one_launch_start_clean(monkeypatch, fake_cuda):
+    from types import SimpleNamespace
+
+    from labkit.train import loop, many
+
+    alive: list[weakref.ref] = []
+    seen: list[tuple] = []
+
+    def fake_train(cfg, ctx):
+        # what the previous run left: its model must be collected and the CUDA peak reset by now
+        seen.append((cfg, [r() is not None for r in alive], [name for name, _ in fake_cuda]))
+        alive.append(weakref.ref(_Cycle()))
+
+    monkeypatch.setattr(loop, "train", fake_train)
+    gc.disable()  # the collection must come from the harness, not from the interpreter's thresholds
+    try:
+        many.train_all(["a", "b", "c"], SimpleNamespace(device=torch.device("cuda", 0)))
+    finally:
+        gc.enable()
+    assert [s[1] for s in seen] == [[], [False], [False, False]]
+    assert seen[1][2] == ["synchronize", "empty_cache", "reset_peak_memory_stats"]
+    assert fake_cuda[-1][0] == "reset_peak_memory_stats"  # also after the last run
+
+
+def test_free_gpu_memory_is_exported_for_notebooks(fake_cuda):
+    import labkit
+
+    labkit.free_gpu_memory()  # on CPU: a collection, no CUDA call
+    assert fake_cuda == []
