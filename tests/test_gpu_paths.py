@@ -210,3 +210,76 @@ def test_free_gpu_memory_is_exported_for_notebooks(fake_cuda):
 
     labkit.free_gpu_memory()  # on CPU: a collection, no CUDA call
     assert fake_cuda == []
+
+
+# ------------------------------------------------------------------------------ 5: pipeline chunk timing
+class _FakeEvent:
+    """A CUDA event stand-in: `record()` stamps a fake GPU time that runs `lag` s behind the CPU, as
+    queued kernels do; elapsed_time is in milliseconds as torch.cuda.Event's."""
+
+    gpu_now = 0.0
+
+    def __init__(self):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = _FakeEvent.gpu_now
+
+    def elapsed_time(self, end) -> float:
+        assert self.t is not None and end.t is not None, "an event was read before it was recorded"
+        return (end.t - self.t) * 1e3
+
+
+def test_cpu_clock_times_the_work_with_perf_counter():
+    import time
+
+    from labkit.train.timing import WorkClock
+
+    clock = WorkClock("cpu")
+    clock.begin_step()
+    token = clock.start()
+    t_mid = time.perf_counter()
+    (t0, t1), = clock.end_step([clock.stop(token)])
+    assert t0 <= t_mid <= t1
+
+
+def test_cuda_clock_reads_events_once_at_the_end_on_the_origins_clock(fake_cuda, monkeypatch):
+    import time
+
+    from labkit.train.timing import WorkClock
+
+    monkeypatch.setattr(time, "perf_counter", lambda: 100.0)  # the origin's wall time
+    clock = WorkClock("cuda:0", event_factory=_FakeEvent)
+    _FakeEvent.gpu_now = 5.0
+    clock.begin_step()
+    pending = []
+    for work_s in (0.25, 0.5):  # two chunks back to back on the stream
+        token = clock.start()
+        _FakeEvent.gpu_now += work_s
+        pending.append(clock.stop(token))
+    assert [name for name, _ in fake_cuda] == ["synchronize"]  # nothing read (no sync) during the step
+    times = clock.end_step(pending)
+    assert [name for name, _ in fake_cuda] == ["synchronize", "synchronize"]
+    assert times == [pytest.approx((100.0, 100.25)), pytest.approx((100.25, 100.75))]
+
+
+def test_schedule_trace_records_chunks_through_the_clock():
+    from types import SimpleNamespace
+
+    from labkit.parallel.pipeline import ScheduleTrace
+
+    calls = []
+    stage = SimpleNamespace(submod=nn.Linear(2, 2), device=torch.device("cpu"),
+                            forward_one_chunk=lambda i, *a, **k: calls.append(("F", i)),
+                            backward_one_chunk=lambda i, *a, **k: calls.append(("B", i)))
+    trace = ScheduleTrace(stage)
+    trace.begin_step()
+    stage.forward_one_chunk(0)
+    stage.forward_one_chunk(1)
+    stage.backward_one_chunk(0)
+    trace.end_step()
+    stage.forward_one_chunk(2)  # not recording (evaluation)
+    assert [(k, c) for k, c, _, _ in trace.steps[0]] == [("F", 0), ("F", 1), ("B", 0)]
+    starts = [t0 for _, _, t0, _ in trace.steps[0]]
+    assert starts == sorted(starts) and all(t1 >= t0 for _, _, t0, t1 in trace.steps[0])
+    assert len(trace.steps) == 1 and len(calls) == 4
