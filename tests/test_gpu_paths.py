@@ -283,3 +283,42 @@ def test_schedule_trace_records_chunks_through_the_clock():
     starts = [t0 for _, _, t0, _ in trace.steps[0]]
     assert starts == sorted(starts) and all(t1 >= t0 for _, _, t0, t1 in trace.steps[0])
     assert len(trace.steps) == 1 and len(calls) == 4
+
+
+# ------------------------------------------------------------------------------ 7 / 17: measure
+def test_bf16_lora_measurement_excludes_the_fp32_build():
+    from labkit.memory.estimate import MemoryConfig
+    from labkit.memory.measure import measure
+
+    cfg = MemoryConfig(model="tiny-llama", precision="bf16", lora_rank=8, batch=2, seq=16)
+    got = measure(cfg, device="cpu")
+    fp32_copy = 4 * got.params  # what building in fp32 on the device would have held at once
+    assert got.weights < 2.2 * got.params  # bf16 base (+ small adapters)
+    assert got.weights < got.total < fp32_copy
+
+
+def test_cuda_measurement_resets_the_peak_after_build_and_cast(monkeypatch):
+    from labkit.memory import measure as M
+    from labkit.memory import trace as T
+    from labkit.memory.estimate import MemoryConfig
+
+    log: list = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: log.append("base") or 1000)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: log.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: log.append("max") or 5000)
+    real_build, real_loss, real_run = T.build, T._loss, M.run_step
+
+    def build(cfg, **kw):
+        out = real_build(cfg, **kw)
+        log.append(("built", {p.dtype for p in out[0].parameters()}))
+        return out
+
+    monkeypatch.setattr(T, "build", build)
+    monkeypatch.setattr(T, "_loss", lambda *a: log.append("step") or real_loss(*a))
+    # the model itself stays on the CPU: everything but the allocator counters runs for real
+    monkeypatch.setattr(M, "run_step", lambda cfg, device, **kw: real_run(cfg, device="cpu", **kw))
+    got = M.measure(MemoryConfig(model="tiny-llama", precision="bf16", batch=2, seq=16), device="cuda:0")
+    assert log == ["base", ("built", {torch.bfloat16}), "reset", "step", "max", "empty_cache"]
+    assert got.total == 5000 - 1000
