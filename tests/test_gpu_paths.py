@@ -322,3 +322,75 @@ def test_cuda_measurement_resets_the_peak_after_build_and_cast(monkeypatch):
     got = M.measure(MemoryConfig(model="tiny-llama", precision="bf16", batch=2, seq=16), device="cuda:0")
     assert log == ["base", ("built", {torch.bfloat16}), "reset", "step", "max", "empty_cache"]
     assert got.total == 5000 - 1000
+
+
+# ------------------------------------------------------------------------------ 12: GPU-stream time shares
+def _x(name, cat, ts, dur, tid=1, pid=1, **args) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+
+def _cuda_trace() -> dict:
+    """One traced step (0..1000 us) in the shape torch.profiler's Chrome export writes on a GPU: CPU
+    spans on the training thread (tid 1), CUDA runtime launches carrying a correlation id, and the
+    device's events on stream rows (pid 0, tid = stream) with cat kernel / gpu_memcpy."""
+    gpu = dict(pid=0, device=0)
+    events = [
+        _x("ProfilerStep#1", "user_annotation", 0, 1000),
+        _x("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", "user_annotation", 0, 100),
+        _x("cudaMemcpyAsync", "cuda_runtime", 40, 5, correlation=4),
+        _x("aten::mm", "cpu_op", 110, 40),
+        _x("cudaLaunchKernel", "cuda_runtime", 120, 5, correlation=1),
+        _x("c10d::allreduce_", "cpu_op", 160, 30),
+        _x("cudaLaunchKernel", "cuda_runtime", 170, 5, correlation=2),
+        _x("Optimizer.step#AdamW.step", "user_annotation", 700, 100),
+        _x("cudaLaunchKernel", "cuda_runtime", 710, 5, correlation=3),
+        _x("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 50, 20, tid=7, stream=7, correlation=4, **gpu),
+        _x("ampere_sgemm_128x64_nn", "kernel", 100, 300, tid=7, stream=7, correlation=1, **gpu),
+        _x("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "kernel", 300, 300,
+           tid=20, stream=20, correlation=2, **gpu),
+        _x("void at::native::(anonymous namespace)::multi_tensor_apply_kernel", "kernel", 720, 50, tid=7,
+           stream=7, correlation=3, **gpu),
+        {"ph": "i", "name": "[memory]", "pid": 1, "tid": 1, "ts": 130, "s": "t",
+         "args": {"Device Type": 1, "Device Id": 0, "Addr": 1, "Bytes": 4096, "Total Allocated": 4096}},
+    ]
+    return {"traceEvents": events}
+
+
+def test_cuda_trace_shares_come_from_the_gpu_streams():
+    from labkit.trace_analysis import CATEGORIES, time_breakdown
+
+    got = time_breakdown(_cuda_trace())
+    assert got["source"] == "gpu streams"
+    # compute 100-400; NCCL alone 400-600 (exposed); optimizer kernel 720-770; the input copy and the
+    # idle GPU while the CPU loaded data 0-100; the rest idle
+    assert got["shares"] == pytest.approx({"compute": 0.3, "communication": 0.2, "data loading": 0.1,
+                                           "optimizer": 0.05, "other": 0.35})
+    assert set(got["shares"]) == set(CATEGORIES) and sum(got["shares"].values()) == pytest.approx(1.0)
+    gpu = got["gpu"]
+    assert gpu["communication busy"] == pytest.approx(0.3)
+    assert gpu["overlapped communication"] == pytest.approx(0.1)  # 300-400, hidden behind the GEMM
+    assert gpu["exposed communication"] == pytest.approx(0.2)
+    assert got["thread_shares"]["compute"] > 0  # the training thread's view is still there
+
+
+def test_cpu_traces_keep_the_training_thread_shares():
+    from labkit.trace_analysis import time_breakdown
+
+    trace = _cuda_trace()
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if e.get("pid") != 0]
+    got = time_breakdown(trace)
+    assert got["source"] == "training thread" and "gpu" not in got
+    assert got["shares"] == got["thread_shares"]
+
+
+def test_the_summary_of_a_cuda_trace_reports_exposed_communication(tmp_path):
+    import json
+
+    from labkit import profiling
+
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(_cuda_trace()))
+    summary = profiling.summarize(path)
+    assert summary.bottleneck == "other"  # the GPU idled most: launch-bound, not compute-bound
+    assert "time share of the GPU" in summary.text and "20.0 % exposed" in summary.text
+    assert "10.0 % hidden behind compute" in summary.text
