@@ -394,3 +394,52 @@ def test_the_summary_of_a_cuda_trace_reports_exposed_communication(tmp_path):
     assert summary.bottleneck == "other"  # the GPU idled most: launch-bound, not compute-bound
     assert "time share of the GPU" in summary.text and "20.0 % exposed" in summary.text
     assert "10.0 % hidden behind compute" in summary.text
+
+
+# ------------------------------------------------------------------------------ 9 / 21: DeepSpeed
+def _ds_config(strategy="zero2", *, model="tiny-llama", **kw):
+    from labkit.parallel import zero
+    from labkit.train.api import make_config
+
+    cfg = make_config(strategy, model, nproc=2, **{k: v for k, v in kw.items() if k == "amp"})
+    stage, offload = zero.VARIANTS[strategy]
+    return zero.ds_config(cfg, stage, offload, dp=2, hidden=64, numel=100_000,
+                          **{k: v for k, v in kw.items() if k != "amp"})
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_overlap_comm_is_on_for_gpu_runs_only(strategy):
+    assert _ds_config(strategy, gpu=True)["zero_optimization"]["overlap_comm"] is True
+    assert _ds_config(strategy, gpu=False)["zero_optimization"]["overlap_comm"] is False
+
+
+def test_vision_runs_cast_buffers_with_the_parameters():
+    assert _ds_config(amp="bf16", cast_buffers=True)["data_types"] == {"buffer_dtype": "bf16"}
+    assert _ds_config(amp="fp16", cast_buffers=True)["data_types"] == {"buffer_dtype": "fp16"}
+    assert "data_types" not in _ds_config(amp="bf16")  # LLMs: rotary inv_freq stays fp32
+    assert "data_types" not in _ds_config(cast_buffers=True)  # fp32: nothing to cast
+
+
+def test_zero_casts_float_inputs_to_the_engine_dtype_and_never_labels():
+    from types import SimpleNamespace
+
+    from labkit.parallel.zero import ZeroStrategy
+
+    hook = ZeroStrategy.__new__(ZeroStrategy)
+    hook.engine = SimpleNamespace(get_data_types=lambda: (torch.bfloat16, torch.bfloat16))
+    assert hook._cast_inputs(torch.zeros(2, 3, 4, 4)).dtype == torch.bfloat16
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    assert hook._cast_inputs(tokens) is tokens
+    hook.engine = SimpleNamespace(get_data_types=lambda: (torch.float32, torch.float32))
+    images = torch.zeros(2, 3)
+    assert hook._cast_inputs(images) is images
+
+
+@pytest.mark.slow
+def test_zero2_bf16_trains_a_resnet_on_two_ranks(tmp_path):
+    from labkit.train.api import run
+
+    record = run("zero2", "tiny-resnet", nproc=2, steps=3, amp="bf16", out=str(tmp_path), progress=False,
+                 stream=False)
+    assert record.dtype == "bfloat16" and record.world_size == 2 and len(record.losses) == 3
+    assert all(0 < loss < 20 for loss in record.losses) and record.extra["flops_per_step"] > 0
