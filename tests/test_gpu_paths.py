@@ -443,3 +443,50 @@ def test_zero2_bf16_trains_a_resnet_on_two_ranks(tmp_path):
                  stream=False)
     assert record.dtype == "bfloat16" and record.world_size == 2 and len(record.losses) == 3
     assert all(0 < loss < 20 for loss in record.losses) and record.extra["flops_per_step"] > 0
+
+
+# ------------------------------------------------------------------------------ 1: buffers under FSDP offload
+def test_place_buffers_moves_persistent_and_rotary_buffers_but_not_parameters():
+    from labkit.parallel import loading
+
+    model = loading.build_on_rank0("tiny-llama", rank=0, seed=0)
+    non_persistent = {n for m in model.modules() for n in m._non_persistent_buffers_set}
+    assert "inv_freq" in non_persistent  # the rotary buffer no state dict carries
+    loading.place_buffers(model, torch.device("meta"))  # stands in for cuda: any device but the params'
+    assert all(b.device.type == "meta" for b in model.buffers())
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert {n for m in model.modules() for n in m._non_persistent_buffers_set} == non_persistent
+
+
+def _offload_load(out_dir: str) -> dict:
+    """On each of 2 CPU ranks: rank-0 loading into an FSDP2 model with CPUOffloadPolicy (the fsdp-offload
+    start); the rotary buffers and a parameter shard, as lists."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from labkit.parallel import loading
+
+    rank = dist.get_rank()
+    model = loading.build_on_rank0("tiny-llama", rank, seed=0)
+    full = loading.full_state_on_rank0(model, rank)
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    loading.load_sharded_from_rank0(model, full, group=dist.group.WORLD, device=torch.device("cpu"),
+                                    buffers_on=torch.device("cpu"))
+    buffers = {n: b for n, b in model.named_buffers()}
+    return {"buffers": {n: b.tolist() for n, b in buffers.items()},
+            "devices": sorted({b.device.type for b in buffers.values()}),
+            "meta_left": loading.has_meta(model)}
+
+
+@pytest.mark.slow
+def test_offloaded_fsdp_start_gives_every_rank_rank0s_rotary_buffers(tmp_path_factory):
+    from _reference import spawn_two_ranks
+
+    r0, r1 = spawn_two_ranks(_offload_load, tmp_path_factory, "offload-buffers")
+    assert any("inv_freq" in n for n in r0["buffers"])
+    assert r1["buffers"] == r0["buffers"]  # rank 1 allocated them empty: the values came from rank 0
+    assert r0["devices"] == r1["devices"] == ["cpu"] and not r1["meta_left"]
