@@ -490,3 +490,35 @@ def test_offloaded_fsdp_start_gives_every_rank_rank0s_rotary_buffers(tmp_path_fa
     assert any("inv_freq" in n for n in r0["buffers"])
     assert r1["buffers"] == r0["buffers"]  # rank 1 allocated them empty: the values came from rank 0
     assert r0["devices"] == r1["devices"] == ["cpu"] and not r1["meta_left"]
+
+
+# ------------------------------------------------------------------------------ 21: weak vs strong scaling
+def _scaling_run(ranks: int, global_batch: int, samples_per_s: float):
+    from labkit.results import RunRecord
+
+    return RunRecord(strategy="ddp", model="resnet50", profile="a100x4", world_size=ranks, steps=10,
+                     losses=[1.0], step_time_s=global_batch / samples_per_s, samples_per_s=samples_per_s,
+                     peak_bytes=[1] * ranks, param_bytes=[1] * ranks, grad_bytes=[1] * ranks,
+                     optimizer_bytes=[1] * ranks, trainable_params=1, device="cuda", dtype="bfloat16",
+                     global_batch=global_batch)
+
+
+def test_scaling_is_labelled_strong_or_weak_and_nvidias_point_weak():
+    from labkit.train import report
+
+    strong = [_scaling_run(1, 256, 1000.0), _scaling_run(4, 256, 3000.0)]
+    weak = [_scaling_run(1, 256, 1000.0), _scaling_run(4, 1024, 3600.0)]
+    assert report.scaling_kind(strong) == "strong" and report.scaling_kind(weak) == "weak"
+    assert report.scaling_kind([_scaling_run(1, 256, 1.0), _scaling_run(2, 384, 1.0)]) == "mixed"
+    assert {row["scaling"] for row in report.scaling_rows(strong)} == {"strong"}
+    mine, theirs = report.scaling_labels(strong)
+    assert mine.startswith("measured: strong scaling (fixed global batch)")
+    assert "weak scaling (256 img per GPU)" in theirs and "84%" in theirs
+
+
+def test_the_scaling_chart_says_which_kind_each_line_is():
+    from labkit.train import report
+
+    fig = report.scaling_chart([_scaling_run(1, 256, 1000.0), _scaling_run(4, 256, 3000.0)])
+    texts = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert any("strong scaling" in t for t in texts) and any("weak scaling" in t for t in texts)
