@@ -4,9 +4,9 @@ GPU: grow the micro-batch (doubling) until a step runs out of memory, then bisec
 last fit and the first failure. Out of memory is torch.cuda.OutOfMemoryError or one of the
 RuntimeErrors cuBLAS / cuDNN raise when their own workspace allocation fails (`OOM_MESSAGES`). A
 search that never failed up to `limit` says so (`limit_reached`): the answer is a lower bound.
-CPU has no out-of-memory to hit, so the same search runs against a budget: a step "fits" when its tensor-accounted peak (MemTracker) stays under
-`budget_mb` -- the lesson (memory grows linearly in the batch on top of the fixed model state) is the
-same. Introduced in notebook 02_single_gpu.
+CPU has no out-of-memory to hit, so the same search runs against a budget: a step "fits" when its
+tensor-accounted peak (MemTracker) stays under `budget_mb` -- the lesson (memory grows linearly in
+the batch on top of the fixed model state) is the same. Introduced in notebook 02_single_gpu.
 """
 from __future__ import annotations
 
