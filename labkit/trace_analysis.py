@@ -180,8 +180,9 @@ def gpu_breakdown(trace: dict, steps: list[dict], tid) -> dict | None:
     running beside it is hidden, "overlapped"), else an optimizer / data-loading kernel, else NCCL
     alone ("communication": exposed communication, the time the GPU waits on the network), else the
     GPU idles -- "data loading" if the training thread was loading data then, else "other" (launch
-    overhead, Python, host synchronisation). Unverified on hardware here: tested on a hand-built trace
-    in the shape torch.profiler writes."""
+    overhead, Python, host synchronisation). The same split as PyTorch's Holistic Trace Analysis
+    ("temporal breakdown" into compute / communication / idle, "communication computation overlap").
+    Unverified on hardware here: tested on a hand-built trace in the shape torch.profiler writes."""
     kinds = ("kernel", "gpu_memcpy", "gpu_memset")
     gpu_events = [e for e in _spans(trace) if e.get("cat") in kinds]
     if not gpu_events:
