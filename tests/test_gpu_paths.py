@@ -154,6 +154,15 @@ def test_finder_says_when_the_limit_and_not_the_memory_stopped_it(monkeypatch):
     assert batch_finder.DEFAULT_LIMIT >= 16384  # ResNet-50 on 80 GB runs out of memory below the cap
 
 
+def test_the_cli_says_when_the_answer_is_only_a_lower_bound():
+    from labkit.cli.train import format_batch_report
+
+    report = {"model": "resnet50", "device": "cuda:0", "amp": "bf16", "checkpointing": False, "budget_bytes": None,
+              "probes": [[2, 1], [4, 2]], "max_micro_batch": 4, "limit": 4, "limit_reached": True}
+    assert "the true maximum is larger" in format_batch_report(report)
+    assert "larger" not in format_batch_report({**report, "limit_reached": False})
+
+
 def test_finder_frees_the_device_at_the_end(monkeypatch, fake_cuda):
     freed: list = []
     real = metrics.free_device_memory
