@@ -85,6 +85,8 @@ def format_batch_report(report: dict) -> str:
             " (over budget)" if budget and peak > budget else "")
         lines.append(f"  micro-batch {batch:>5}: {verdict}")
     lines.append(f"largest micro-batch that fits: {report['max_micro_batch']}")
+    if report.get("limit_reached"):
+        lines.append(f"  (every probe up to the limit {report['limit']} fit: the true maximum is larger)")
     return "\n".join(lines)
 
 

@@ -100,11 +100,16 @@ def build(cfg: MemoryConfig, *, device: str = "cpu", fake_mode=None):
     spec = spec_of(cfg)
     dtype = _DTYPES[cfg.precision]
     batch = (cfg.batch or 1) // cfg.grad_accum
-    with torch.device("meta" if fake_mode is not None else device):
+    # Built in host memory (fp32 init), cast there, then moved: the device never holds the transient
+    # fp32 copy of a bf16/fp16 model (7B: 28 GB), which would both inflate a measured peak and OOM
+    # under a memory cap before the step starts.
+    with torch.device("meta" if fake_mode is not None else "cpu"):
         model = _build_model(cfg.model).to(dtype)
         model.train()
         if spec.kind == "llm":
             model = _prepare_llm(model, cfg, spec)
+    if fake_mode is None and torch.device(device).type != "cpu":
+        model.to(device)
     inputs = fake_mode if fake_mode is not None else contextlib.nullcontext()
     with inputs:
         if fake_mode is not None:
@@ -176,11 +181,17 @@ def _loss(model, x, y, kind: str):
     return model(input_ids=x, labels=y).loss  # drop the logits: only the loss's graph stays alive
 
 
-def run_step(cfg: MemoryConfig, *, device: str = "cpu", fake_mode=None, tracker_cls=None) -> tuple[dict, dict, int, int]:
+def run_step(cfg: MemoryConfig, *, device: str = "cpu", fake_mode=None, tracker_cls=None,
+             on_built=None) -> tuple[dict, dict, int, int]:
     """Build and run one forward/backward/step under a MemTracker.
 
-    Returns (bytes by category after the step, category peaks, parameter count, trainable count)."""
+    `on_built()` is called once the model is built, cast to its training dtype and on `device`, and
+    before anything of the step exists (master copies, optimizer, activations): `measure` resets the
+    CUDA allocator's peak there. Returns (bytes by category after the step, category peaks,
+    parameter count, trainable count)."""
     model, trainable, x, y = build(cfg, device=device, fake_mode=fake_mode)
+    if on_built is not None:
+        on_built()
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         master = cfg.precision.startswith("mixed")
         masters = [p.detach().float() for p in trainable] if master else []
