@@ -38,6 +38,8 @@ _RENAME = {"deadline_margin": "deadline_margin_s"}
 @click.option("--compile", "compile_", is_flag=True, help="torch.compile the model")
 @click.option("--find-max-batch", is_flag=True, help="find the largest micro-batch that fits, then exit")
 @click.option("--memory-budget-mb", type=float, default=None, help="budget for --find-max-batch on CPU")
+@click.option("--memory-cap-gb", type=float, default=None,
+              help="train as if the device had this many GB (CUDA allocator limit; CPU: tracked peak)")
 @click.option("--data", default="synthetic", show_default=True, help="synthetic, tiny, or a local ImageFolder dir / text file")
 @click.option("--nnodes", type=int, default=1, show_default=True, help="nodes (torchrun rendezvous)")
 @click.option("--node-rank", type=int, default=0, show_default=True)

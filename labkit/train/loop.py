@@ -17,7 +17,7 @@ import torch
 
 from labkit import parallel, profiling, results
 from labkit.errors import ConfigError
-from labkit.train import metrics
+from labkit.train import memcap, metrics
 from labkit.train.checkpoint import Checkpointer, Deadline, latest_checkpoint, read_meta
 from labkit.train.config import AMP_DTYPES, parse_deadline
 from labkit.train.data import StepLoader, build_datasets, eval_batches, make_task, split_micro
@@ -50,6 +50,11 @@ def seed_everything(seed: int) -> None:
 def train(cfg, ctx):
     """Run `cfg` on this rank (`ctx`); returns the RunRecord on rank 0, None elsewhere."""
     cfg = cfg.resolve()
+    with memcap.applied(cfg.memory_cap_gb, ctx.device):  # --memory-cap-gb on CUDA: the allocator's limit
+        return _train(cfg, ctx)
+
+
+def _train(cfg, ctx):
     seed_everything(cfg.seed)
     task = make_task(cfg)
     hook = parallel.make_strategy(cfg.strategy, ctx, cfg, task)
@@ -69,6 +74,7 @@ def train(cfg, ctx):
         tracer = profiling.StepTracer.for_run(cfg, ctx)  # --trace-steps N: torch.profiler over N steps
         try:
             _run_steps(cfg, ctx, hook, task, loader, ckpt, deadline, progress, peak, tracer)
+            memcap.check(cfg.memory_cap_gb, peak.result())  # on CPU: the cap against the tracked peak
             tracer.finish()  # rank 0 writes OUT/profiles/<run id>/: trace, memory timeline, summary
         finally:
             tracer.close()  # a failed step must not leave the profiler running in this process
