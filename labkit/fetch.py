@@ -120,20 +120,23 @@ def jsonl_text(path: Path, fields: tuple[str, ...] = TEXT_SETS["dolly"].fields) 
 
 
 # ------------------------------------------------------------------------------------------ choosing
-def pretrained_llm(profile, model: str | None = None) -> str:
-    """The pretrained HF id of `model` (default: the profile's LLM) when the profile is a GPU one and it
-    is cached, else the preset itself (random init); prints one line saying which."""
-    model = model or profile.llm_model
-    repo = PRETRAINED.get(model)
-    if profile.device == "cuda" and repo and _model_cached(repo):
-        print(f"model: {repo} (pretrained weights from the Hugging Face cache)")
-        return repo
+def pretrained_llm(profile, *presets: str, fallback: str | None = "") -> str | None:
+    """On a GPU profile, the HF id of the first of `presets` (default: the profile's LLM) whose pretrained
+    weights are cached; otherwise `fallback` (default: the profile's LLM preset, random init). Prints one
+    line saying which, so a lab never fine-tunes random weights without saying so."""
+    presets = presets or (profile.llm_model,)
+    fallback = profile.llm_model if fallback == "" else fallback
+    repos = [PRETRAINED[p] for p in presets if p in PRETRAINED]
+    for repo in repos if profile.device == "cuda" else ():
+        if _model_cached(repo):
+            print(f"model: {repo} (pretrained weights from the Hugging Face cache)")
+            return repo
     if profile.device == "cpu":
         why = ": the smoke profile trains a tiny preset"
     else:
-        why = f": `labkit fetch {repo}` has not been run" if repo else ""
-    print(f"model: {model} (random init{why})")
-    return model
+        why = f": `labkit fetch {repos[0]}` has not been run" if repos else ""
+    print(f"model: {profile.llm_model if fallback is None else fallback} (random init{why})")
+    return fallback
 
 
 def image_data(profile) -> str:

@@ -161,10 +161,12 @@ def test_gpu_profiles_pick_pretrained_weights_and_real_data_only_when_cached(off
 
     gpu, smoke = get_profile("a100x1"), get_profile("smoke")
     assert fetch.pretrained_llm(smoke) == smoke.llm_model
-    assert fetch.pretrained_llm(gpu, "llama2-7b") == "llama2-7b"  # not cached: random init, said so
+    assert fetch.pretrained_llm(gpu, "llama2-7b") == gpu.llm_model  # not cached: random init, said so
     assert "random init: `labkit fetch meta-llama/Llama-2-7b-hf`" in capsys.readouterr().out
     make_hf_cache(offline, fetch.PRETRAINED["tinyllama-1.1b"])
     assert fetch.pretrained_llm(gpu) == fetch.PRETRAINED["tinyllama-1.1b"]
+    assert fetch.pretrained_llm(gpu, "llama2-7b", "tinyllama-1.1b") == fetch.PRETRAINED["tinyllama-1.1b"]
+    assert fetch.pretrained_llm(gpu, "llama2-7b", fallback=None) is None
     assert fetch.image_data(gpu) == "synthetic" and fetch.text_data(gpu) == "tiny"
     out = capsys.readouterr().out
     assert "pretrained weights" in out and "synthetic images" in out and "data: tiny" in out

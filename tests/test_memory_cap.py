@@ -67,3 +67,15 @@ def test_check_passes_under_the_cap_and_names_the_levers_over_it():
     memcap.check(1.0, 10**9)
     with pytest.raises(memcap.MemoryCapExceeded, match="lora or qlora"):
         memcap.check(1.0, 10**9 + 1)
+
+
+@pytest.mark.parametrize("amp, dtype", [("none", "float32"), ("bf16", "bfloat16")])
+def test_notebook_06s_scaled_cap_lets_lora_fit_and_stops_the_full_fine_tune(tmp_path, amp, dtype):
+    from labkit.profiles import get_profile
+
+    assert memcap.scenario_cap_gb(get_profile("a100x1"), "llama2-7b") == 24.0
+    cap = memcap.scenario_cap_gb(get_profile("smoke", dtype=dtype), "tiny-llama")
+    common = dict(steps=2, out=str(tmp_path), progress=False, amp=amp, memory_cap_gb=cap)
+    with pytest.raises(memcap.MemoryCapExceeded):
+        run("single", "tiny-llama", **common)
+    assert max(run("lora", "tiny-llama", **common).peak_bytes) <= cap * 1e9

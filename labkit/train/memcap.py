@@ -64,3 +64,24 @@ def check(cap_gb: float | None, peak_bytes: int, *, what: str = "one training st
             f"out of memory under --memory-cap-gb {cap_gb:g}: {what} peaked at {peak_bytes / GB:.6g} GB "
             f"(tracked tensors) > the {cap_gb:g} GB cap; fit it with --strategy lora or qlora, "
             "--checkpointing, --optimizer adamw-8bit or a smaller --batch")
+
+
+#: The scenario's GPU: an RTX 4090 has 24 GB.
+SCENARIO_GB = 24.0
+_ESTIMATOR_PRECISION = {"float32": ("fp32", "fp32"), "bfloat16": ("mixed-bf16", "bf16"),
+                        "float16": ("mixed-fp16", "fp16")}
+
+
+def scenario_cap_gb(profile, model: str) -> float:
+    """Notebook 06's cap: 24 GB on a GPU profile. On CPU the same story scaled to `model`: the geometric
+    mean of the estimates (labkit.memory) of a full fine-tune and of LoRA (r=8 on q,v) at the profile's
+    batch, so the full fine-tune runs out of memory and LoRA fits, with margin on both sides."""
+    if profile.device == "cuda":
+        return SCENARIO_GB
+    from labkit.memory.estimate import MemoryConfig, estimate
+
+    full_precision, frozen_precision = _ESTIMATOR_PRECISION[profile.dtype]
+    shape = dict(model=model, batch=profile.llm_batch, seq=profile.seq_len)
+    full = estimate(MemoryConfig(**shape, precision=full_precision)).total
+    lora = estimate(MemoryConfig(**shape, precision=frozen_precision, lora_rank=8, lora_targets=("q", "v"))).total
+    return (full * lora) ** 0.5 / GB
