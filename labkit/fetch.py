@@ -140,11 +140,12 @@ def pretrained_llm(profile, *presets: str, fallback: str | None = "") -> str | N
 
 
 def image_data(profile) -> str:
-    """Food-11 on GPU profiles when it is here (`labkit fetch food11`), else 'synthetic'; says which."""
+    """'food11' on GPU profiles when it is here (`labkit fetch food11`), else 'synthetic'; says which.
+    Lever timing in 02 compares best on synthetic images (no I/O at all); the line printed says which."""
     root = food11.default_dir()
     if profile.device == "cuda" and food11.is_ready(root):
         print(f"data: Food-11 from {root} (real photos, decoded once into a tensor cache)")
-        return str(root)
+        return "food11"
     why = "the smoke profile" if profile.device == "cpu" else f"Food-11 is not in {root}: `labkit fetch food11`"
     print(f"data: synthetic images ({why})")
     return "synthetic"

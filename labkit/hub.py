@@ -61,10 +61,14 @@ def has_weights(folder: Path) -> bool:
     return any(next(folder.glob(g), None) is not None for g in WEIGHT_GLOBS)
 
 
-def not_cached(repo_id: str, what: str = "model") -> ConfigError:
+class NotCachedError(ConfigError):
+    """A model or data set is not in the cache: `labkit fetch` it first (one line, exit 2 from the CLI)."""
+
+
+def not_cached(repo_id: str, what: str = "model") -> NotCachedError:
     """The one-line error for a repository that must be fetched first."""
     where = f"the Hugging Face cache {cache_dir()}" + (" (HF_HUB_OFFLINE=1)" if offline() else "")
-    return ConfigError(f"{what} {repo_id!r} is not in {where}: run `labkit fetch {repo_id}` on a machine with "
+    return NotCachedError(f"{what} {repo_id!r} is not in {where}: run `labkit fetch {repo_id}` on a machine with "
                        "network access first (or set HF_HOME to a cache that holds it)")
 
 

@@ -95,11 +95,19 @@ def test_one_loader_serves_every_epoch_with_workers_and_resumes_mid_epoch():
     assert len(set(plain[0] + plain[1])) == 8 and plain[:2] != plain[2:4]  # no repeats in an epoch; reshuffled
 
 
-def test_resnet_trains_on_a_food11_folder(tmp_path):
+def test_resnet_trains_on_food11_where_fetch_put_it_and_gpu_profiles_say_so(tmp_path, monkeypatch, capsys):
+    from labkit import fetch
+    from labkit.errors import ConfigError
+    from labkit.profiles import get_profile
     from labkit.train import run
 
-    root = _jpegs(tmp_path / "f")
-    food11.organize(root)
-    record = run("single", "tiny-resnet", data=str(root), batch=4, steps=5, out=str(tmp_path / "runs"),
-                 progress=False, workers=1, eval_batches=1)
+    monkeypatch.setenv("LABKIT_FOOD11", str(tmp_path / "f"))
+    assert fetch.image_data(get_profile("a100x4")) == "synthetic"
+    common = dict(data="food11", batch=4, steps=5, out=str(tmp_path / "runs"), progress=False, eval_batches=1)
+    with pytest.raises(ConfigError, match="labkit fetch food11"):
+        run("single", "tiny-resnet", **common)
+    food11.organize(_jpegs(tmp_path / "f"))
+    assert fetch.image_data(get_profile("a100x4")) == "food11" and fetch.image_data(get_profile("smoke")) == "synthetic"
+    assert "data: Food-11 from" in capsys.readouterr().out
+    record = run("single", "tiny-resnet", workers=1, **common)  # 12 images: 5 steps of 4 cross an epoch
     assert record.extra["dataset_size"] == 12 and "eval_loss" in record.extra

@@ -192,3 +192,49 @@ def test_an_instruction_set_trains_from_the_cache_with_a_held_out_loss(offline, 
     shutil.rmtree(folder)
     with pytest.raises(ConfigError, match="labkit fetch dolly"):
         run("lora", REPO, steps=1, data="dolly", out=str(tmp_path), progress=False)
+
+
+def test_memory_estimate_of_an_uncached_id_is_one_line(offline, capsys):
+    code, _, err = _cli(["memory", "estimate", "--model", "org/not-cached", "--json"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "labkit fetch org/not-cached" in err
+
+
+def test_online_fetch_downloads_safetensors_only_unless_the_repo_has_none(offline, monkeypatch, tmp_path):
+    """The download call itself needs the network (unverified here); its arguments and fallback are checked."""
+    import huggingface_hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    calls = []
+
+    def fake_snapshot_download(repo_id, *, cache_dir, allow_patterns=None, local_files_only=False, **kw):
+        if local_files_only:
+            from huggingface_hub.errors import LocalEntryNotFoundError
+            raise LocalEntryNotFoundError("not cached")
+        calls.append(list(allow_patterns))
+        folder = tmp_path / repo_id.replace("/", "--")
+        folder.mkdir(exist_ok=True)
+        if "*.bin" in allow_patterns:  # this repository ships pytorch_model.bin only
+            (folder / "pytorch_model.bin").write_bytes(b"0")
+        return str(folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    where, what = fetch.fetch("org/bin-only")
+    assert what == "downloaded" and where.endswith("org--bin-only")
+    assert "*.safetensors" in calls[0] and "*.bin" not in calls[0] and "*.bin" in calls[1]
+
+
+def test_hub_errors_name_the_fix():
+    from huggingface_hub import errors
+
+    class Response:  # what huggingface_hub's HTTP errors carry
+        status_code, headers, url, request = 401, {}, "https://huggingface.co", None
+
+        def json(self):
+            return {}
+
+    with pytest.raises(ConfigError, match="accept its license.*HF_TOKEN"):
+        with hub.hub_errors("meta-llama/Llama-2-7b-hf"):
+            raise errors.GatedRepoError("gated", response=Response())
+    with pytest.raises(ConfigError, match="check the spelling"):
+        with hub.hub_errors("org/typo"):
+            raise errors.RepositoryNotFoundError("404", response=Response())

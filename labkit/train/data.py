@@ -155,6 +155,12 @@ def build_datasets(cfg, task: Task) -> tuple[Dataset, Dataset | None]:
     from labkit.fetch import TEXT_SETS, text_path
     if task.kind == "llm" and source in TEXT_SETS:  # e.g. 'dolly' from the HF cache (`labkit fetch dolly`)
         source = str(text_path(source))
+    if task.kind == "vision" and source == "food11":  # where `labkit fetch food11` put it
+        from labkit import food11
+        if not food11.is_ready(food11.default_dir()):
+            raise ConfigError(f"data='food11': Food-11 is not in {food11.default_dir()}; run `labkit fetch food11` "
+                              "(or set LABKIT_FOOD11 to the folder that holds it)")
+        source = str(food11.default_dir())
     held = max(cfg.eval_batches, 1) * cfg.batch
     if source == "synthetic":
         if task.kind == "llm":
