@@ -194,7 +194,7 @@ def format_status(items: list[Item]) -> str:
     width = max(len(i.name) for i in items)
     lines = [f"{'':<8} {'what':<{width}}  {'labs':<6}  where / how"]
     for i in items:
-        how = i.where if i.present else f"{i.fetch}  (cache: {i.where})"
+        how = i.where if i.present else f"{i.fetch}  (looked in {i.where})"
         lines.append(f"{'cached' if i.present else 'MISSING':<8} {i.name:<{width}}  {i.labs:<6}  {how}")
     return "\n".join(lines)
 

@@ -68,8 +68,9 @@ class NotCachedError(ConfigError):
 def not_cached(repo_id: str, what: str = "model") -> NotCachedError:
     """The one-line error for a repository that must be fetched first."""
     where = f"the Hugging Face cache {cache_dir()}" + (" (HF_HUB_OFFLINE=1)" if offline() else "")
-    return NotCachedError(f"{what} {repo_id!r} is not in {where}: run `labkit fetch {repo_id}` on a machine with "
-                       "network access first (or set HF_HOME to a cache that holds it)")
+    where += " nor a local folder" if what == "model" else ""
+    return NotCachedError(f"{what} {repo_id!r} is not in {where}: run `labkit fetch {repo_id}` "
+                          "on a machine with network access first (or set HF_HOME to a cache that holds it)")
 
 
 def offline_refusal(repo_id: str, what: str = "model") -> ConfigError:
