@@ -27,7 +27,8 @@ class TrainConfig:
     strategy: str
     """Registry name in `labkit.parallel.STRATEGIES` ('single', 'ddp', 'fsdp', ...)."""
     model: str
-    """Model preset ('tiny-resnet', 'tiny-llama', 'resnet50', 'tinyllama-1.1b', ...) or local LLM folder."""
+    """Model preset ('tiny-resnet', 'tiny-llama', 'resnet50', 'tinyllama-1.1b', ...), local LLM folder or a
+    Hugging Face id 'ORG/NAME' in the HF cache (`labkit fetch ID`; labkit.hub)."""
     profile: str = "smoke"
     """Profile name (`labkit.profiles.PROFILES`): device, default batch, lr, steps."""
     nproc: int = 1
@@ -79,7 +80,8 @@ class TrainConfig:
     """Train as if the device had this many GB (10^9 B): the CUDA allocator's limit, on CPU the tracked
     peak (labkit.train.memcap); e.g. 24 for the RTX 4090 scenario on an 80 GB A100 (06_peft)."""
     data: str = "synthetic"
-    """'synthetic', 'tiny' (the set shipped in labkit/data) or a local path (ImageFolder dir / text file)."""
+    """'synthetic', 'tiny' (the set shipped in labkit/data), 'food11' / 'dolly' (`labkit fetch NAME`) or a local
+    path (ImageFolder dir / text or .jsonl file)."""
     seq_len: int | None = None
     """Tokens per LLM sequence; default from the profile."""
     image_size: int | None = None
