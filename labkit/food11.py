@@ -76,10 +76,13 @@ def _download(url: str, dest: Path) -> None:
     part.rename(dest)
 
 
-def fetch(dest: str | os.PathLike | None = None, *, url: str | None = None) -> tuple[Path, str]:
-    """Download, unpack and organize Food-11 into `dest` (default `default_dir()`); (path, what happened)."""
+def fetch(dest: str | os.PathLike | None = None, *, url: str | None = None,
+          image_size: int | None = 224) -> tuple[Path, str]:
+    """Download, unpack and organize Food-11 into `dest` (default `default_dir()`), then decode it once
+    into the tensor cache at `image_size` (the GPU profiles' 224 px; None: skip); (path, what happened)."""
     dest = Path(dest).expanduser() if dest else default_dir()
     if is_ready(dest):
+        _decode_once(dest, image_size)
         return dest, "already there"
     dest.mkdir(parents=True, exist_ok=True)
     if not all((dest / s).is_dir() for s in SPLITS):
@@ -93,4 +96,17 @@ def fetch(dest: str | os.PathLike | None = None, *, url: str | None = None) -> t
                 shutil.move(str(item), dest / item.name)
             (dest / "Food-11").rmdir()
     moved = organize(dest)
+    _decode_once(dest, image_size)
     return dest, f"downloaded and organized ({moved} images)"
+
+
+def _decode_once(root: Path, image_size: int | None) -> None:
+    """Fill labkit's uint8 tensor cache for the splits a run reads (labkit.train.imagecache)."""
+    if image_size is None:
+        return
+    from labkit.train.imagecache import cached_image_folder
+
+    workers = max(1, (os.cpu_count() or 2) // 2)
+    for split in ("training", "validation"):
+        print(f"decoding {root / split} once at {image_size} px into the tensor cache", flush=True)
+        cached_image_folder(root / split, image_size, workers=workers)

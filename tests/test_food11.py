@@ -39,8 +39,10 @@ def test_fetch_downloads_unpacks_and_organizes_then_knows_it_is_there(tmp_path):
         for file in sorted(flat.rglob("*.jpg")):
             zf.write(file, file.relative_to(flat.parent))
     dest = tmp_path / "Food-11"
-    path, what = food11.fetch(dest, url=archive.as_uri())
+    path, what = food11.fetch(dest, url=archive.as_uri(), image_size=16)
     assert path == dest and what == "downloaded and organized (18 images)"
+    caches = sorted(p.name.split("-")[0] for p in (tmp_path / "cache" / "images").glob("*-16px.pt"))
+    assert caches == ["training", "validation"]  # decoded once, at fetch time
     assert food11.is_ready(dest)
     assert sorted(p.name for p in (dest / "training").iterdir()) == ["class_00", "class_01", "class_02"]
     assert len(list((dest / "training" / "class_01").glob("*.jpg"))) == 4
@@ -51,7 +53,7 @@ def test_a_failed_download_is_one_clear_error(tmp_path):
     from labkit.errors import ConfigError
 
     with pytest.raises(ConfigError, match="FOOD11_URL"):
-        food11.fetch(tmp_path / "Food-11", url=(tmp_path / "missing.zip").as_uri())
+        food11.fetch(tmp_path / "Food-11", url=(tmp_path / "missing.zip").as_uri(), image_size=None)
     assert not list((tmp_path / "Food-11").glob("*.part"))
 
 

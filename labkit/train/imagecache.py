@@ -72,18 +72,23 @@ def decode(root: Path, image_size: int, *, workers: int = 0) -> dict:
 def cached_image_folder(root: str | os.PathLike, image_size: int, *, workers: int = 0) -> CachedImages:
     """The images of ImageFolder `root` at `image_size`, decoded on first use and memory-mapped after.
 
-    The first caller writes the file atomically (a temporary name, then rename); ranks that start
-    together may each decode once, but none ever reads a half-written file.
+    Ranks that start together decode once: the first takes a file lock and decodes, the others wait
+    for it and read the file. The file is written under a temporary name and renamed, so no reader
+    ever sees half of it.
     """
+    import fcntl
+
     from torchvision.datasets import ImageFolder
 
     root = Path(root).resolve()
     path = cache_file(root, image_size, ImageFolder(str(root)).samples)  # lists files, decodes nothing
-    if not path.is_file():
-        data = decode(root, image_size, workers=workers)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        torch.save(data, tmp)
-        os.replace(tmp, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not path.is_file():
+            data = decode(root, image_size, workers=workers)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            torch.save(data, tmp)
+            os.replace(tmp, path)
     data = torch.load(path, mmap=True, weights_only=True)
     return CachedImages(data["images"], data["labels"], list(data["classes"]))
