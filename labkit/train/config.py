@@ -90,6 +90,8 @@ class TrainConfig:
     """Steps excluded from the median step time (allocator warm-up, lazy init, compilation)."""
     eval_batches: int = 2
     """Held-out batches evaluated at the end of the run (0 = no evaluation)."""
+    eval_at_start: bool = False
+    """Also evaluate them before the first step (record extra 'eval_start_loss'): did fine-tuning help?"""
     workers: int | None = None
     """DataLoader worker processes per rank; default 0 on CPU, 4 on GPU."""
     progress: bool = True
@@ -201,7 +203,8 @@ def model_kind(name: str) -> str:
         return "llm"
     if name in presets.VISION_PRESETS:
         return "vision"
-    valid = list(presets.LLM_PRESETS) + list(presets.VISION_PRESETS) + ["<local checkpoint folder>", "<cached HF id ORG/NAME>"]
+    valid = list(presets.LLM_PRESETS) + list(presets.VISION_PRESETS)
+    valid += ["<local checkpoint folder>", "<cached HF id ORG/NAME>"]
     raise choices_error("model", name, valid)
 
 

@@ -70,6 +70,7 @@ def _train(cfg, ctx):
         loader = StepLoader(train_set, global_batch=cfg.batch, dp_rank=hook.dp_rank, dp_size=hook.dp_size,
                             seed=cfg.seed, workers=cfg.workers, start_step=len(progress.prior_losses),
                             pin_memory=ctx.device.type == "cuda")
+        start_eval = _evaluate_at_start(cfg, ctx, hook, held_out)  # --eval-at-start: the held-out loss before
         peak = metrics.PeakMemory(ctx.device)
         tracer = profiling.StepTracer.for_run(cfg, ctx)  # --trace-steps N: torch.profiler over N steps
         try:
@@ -82,7 +83,7 @@ def _train(cfg, ctx):
                             count=cfg.eval_batches)
         evaluation = hook.evaluate([_to_device(b, ctx.device, cfg.channels_last) for b in held]) if held else None
         facts = dict(losses=_floats(progress.local_losses), times=progress.times, flops=progress.flops,
-                     peak=peak.result(), bytes=tuple(hook.resident_bytes()), eval=evaluation)
+                     peak=peak.result(), bytes=tuple(hook.resident_bytes()), eval=evaluation, eval_start=start_eval)
         gathered = _gather(ctx, facts)
         if not ctx.is_main:
             return None
@@ -228,7 +229,8 @@ def _record(cfg, ctx, hook, task, progress, gathered, dataset_size, ckpt):
                  steps_per_epoch=steps_per_epoch, epoch_time_s=steps_per_epoch * step_time,
                  flops_per_step=flops, achieved_tflops=flops / step_time / 1e12 if step_time else 0.0,
                  peak_tflops_per_device=peak_tf, resumed_from=progress.resumed_from, stopped=progress.stopped,
-                 checkpoint_save_s=ckpt.save_times, **_eval_summary(gathered), **profiling.record_facts(cfg),
+                 checkpoint_save_s=ckpt.save_times, **_eval_summary(gathered), **_eval_summary(gathered, "eval_start"),
+                 **profiling.record_facts(cfg),
                  **hook.record_extra())
     return results.RunRecord(
         strategy=cfg.strategy, model=cfg.model, profile=cfg.profile, world_size=ctx.world_size,
@@ -240,10 +242,23 @@ def _record(cfg, ctx, hook, task, progress, gathered, dataset_size, ckpt):
         mfu=metrics.mfu(flops, step_time, ctx.world_size, peak_tf), extra=extra)
 
 
-def _eval_summary(gathered) -> dict:
-    evals = [g["eval"] for g in gathered if g["eval"]]
+def _eval_summary(gathered, key: str = "eval") -> dict:
+    """{'<key>_loss', '<key>_accuracy'} over every rank's held-out sums ('eval' after training, 'eval_start' before)."""
+    evals = [g[key] for g in gathered if g[key]]
     count = sum(e["count"] for e in evals)
     if not count:
         return {}
-    return {"eval_loss": sum(e["loss_sum"] for e in evals) / count,
-            "eval_accuracy": sum(e["correct"] for e in evals) / count}
+    return {f"{key}_loss": sum(e["loss_sum"] for e in evals) / count,
+            f"{key}_accuracy": sum(e["correct"] for e in evals) / count}
+
+
+def _evaluate_at_start(cfg, ctx, hook, held_out) -> dict | None:
+    """The held-out sums of the model before its first step (a fine-tune's base: 06, 08), when asked for.
+    `Strategy.evaluate` itself, not a subclass's (LoRA's also saves its adapters, which do not exist yet)."""
+    if not cfg.eval_at_start:
+        return None
+    held = eval_batches(held_out, global_batch=cfg.batch, dp_rank=hook.dp_rank, dp_size=hook.dp_size,
+                        count=cfg.eval_batches)
+    if not held:
+        return None
+    return parallel.Strategy.evaluate(hook, [_to_device(b, ctx.device, cfg.channels_last) for b in held])
