@@ -38,6 +38,7 @@ _RENAME = {"deadline_margin": "deadline_margin_s"}
 @click.option("--compile", "compile_", is_flag=True, help="torch.compile the model")
 @click.option("--find-max-batch", is_flag=True, help="find the largest micro-batch that fits, then exit")
 @click.option("--memory-budget-mb", type=float, default=None, help="budget for --find-max-batch on CPU")
+@click.option("--eval-at-start", is_flag=True, help="also evaluate the held-out batches before the first step")
 @click.option("--memory-cap-gb", type=float, default=None,
               help="train as if the device had this many GB (CUDA allocator limit; CPU: tracked peak)")
 @click.option("--data", default="synthetic", show_default=True, help="synthetic, tiny, food11, dolly (labkit fetch), or a local ImageFolder dir / text file")
