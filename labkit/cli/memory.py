@@ -89,8 +89,11 @@ def _options(fn):
 def _command(source: str, doc: str):
     @_options
     def cmd(as_json: bool, **options) -> None:
+        from labkit.hub import NotCachedError
         try:
             result = run(source, config_from_options(**options))
+        except NotCachedError:
+            raise  # one line naming `labkit fetch ID` (labkit.cli.main), not a usage error
         except ConfigError as exc:
             raise click.UsageError(str(exc)) from exc  # exit code 2, message names the bad value
         if as_json:

@@ -170,9 +170,12 @@ def model_spec(model: str) -> ModelSpec:
     if model in presets.VISION_PRESETS:
         return resnet_spec(model, dict(presets.VISION_PRESETS[model]))
     path = Path(model)
+    from labkit import hub
+    if hub.is_hub_id(model):  # config.json only, from the HF cache (labkit.hub): no weights are read
+        return config_spec(hub.resolve(model, weights=False))
     if path.suffix == ".json" or (path / "config.json").is_file():
         if not (path.is_file() or (path / "config.json").is_file()):
             raise ConfigError(f"config file {model!r} does not exist; give a preset or an existing config.json")
         return config_spec(path)
     raise ConfigError(f"unknown model {model!r}; valid models are: {', '.join(presets.ALL_MODELS)}, "
-                      "or the path of a Hugging Face config.json")
+                      "the path of a Hugging Face config.json, or a Hugging Face id ORG/NAME")

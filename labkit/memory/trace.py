@@ -134,8 +134,11 @@ def _build_model(name: str):
         return build_model(name)
     from transformers import AutoModelForCausalLM
 
+    from labkit import hub
+
     folder = Path(name).parent if Path(name).is_file() else Path(name)
-    return AutoModelForCausalLM.from_config(llm_config(str(folder)))
+    # a HF id: llm_config reads the cached config.json (labkit.hub); weights are never loaded here
+    return AutoModelForCausalLM.from_config(llm_config(name if hub.is_hub_id(name) else str(folder)))
 
 
 def _prepare_llm(model, cfg: MemoryConfig, spec):

@@ -49,7 +49,8 @@ def build_on_rank0(name: str, rank: int, *, seed: int = 0) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):  # shapes only: no bytes are allocated for the weights
-        return AutoModelForCausalLM.from_config(llm_config(name))
+        # fp32 like rank 0's build_llm: transformers 5 would take a checkpoint config's saved dtype (fp16)
+        return AutoModelForCausalLM.from_config(llm_config(name), dtype=torch.float32)
 
 
 def materialize(model: nn.Module, device: torch.device) -> nn.Module:
