@@ -246,6 +246,9 @@ def trace(cfg: MemoryConfig) -> Estimate:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     check_traceable(cfg)
+    if spec_of(cfg).expert_params:
+        raise ConfigError(f"{cfg.model} routes tokens to experts by value (data-dependent shapes), which "
+                          "fake tensors cannot run; measure one real step instead: `labkit memory measure`")
     start = time.perf_counter()
     with _quiet():
         current, peaks, n, trainable = run_step(cfg, fake_mode=FakeTensorMode())

@@ -181,6 +181,10 @@ class ContextParallelStrategy(Strategy):
         if cfg.kind != "llm":
             raise ConfigError(f"context-parallel splits token sequences; {cfg.model!r} is not an LLM: "
                               "use --model tiny-llama")
+        from labkit.models import llm_config
+        if getattr(llm_config(cfg.model), "num_local_experts", 0):
+            raise ConfigError(f"context-parallel runs dense models (the MoE balance loss is per whole sequence); "
+                              f"{cfg.model!r} has experts: use --strategy expert-parallel, or --model tiny-llama")
         if cfg.seq_len % world_size:
             raise ConfigError(f"--seq-len {cfg.seq_len} does not split into {world_size} equal chunks; "
                               f"use a multiple of {world_size}")

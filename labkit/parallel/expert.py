@@ -139,6 +139,30 @@ class ExpertParallelStrategy(Strategy):
     def flops_per_step(self, global_tokens: int) -> float | None:
         return None  # 6 N D would count every expert per token: let the loop measure
 
+    # Checkpoints: the expert shards are plain tensors, which DCP would take for replicas. Hand them
+    # to DCP as DTensors sharded on dim 0 (global shape (E, ...)), so any world size -- 'single'
+    # included -- can load the checkpoint (DCP reshards), and turn them back into local tensors on load.
+    def state_dict(self) -> dict:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
+        shard = lambda t: DTensor.from_local(t, mesh, [Shard(0)], run_check=False)  # noqa: E731
+        return self._map_experts(super().state_dict(), shard)
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(self._map_experts(state, lambda t: t.to_local()))
+
+    def _map_experts(self, state: dict, fn) -> dict:
+        names = {n for n, p in self._unwrapped().named_parameters() if getattr(p, "labkit_expert", False)}
+        for name in names:
+            state["model"][name] = fn(state["model"][name])
+            slots = state["optim"].get("state", {})
+            if name in slots:  # a new dict: the old one may be the optimizer's own state
+                slots[name] = {k: fn(v) if torch.is_tensor(v) and v.dim() > 0 else v  # exp_avg(_sq), not step
+                               for k, v in slots[name].items()}
+        return state
+
     def record_extra(self) -> dict:
         ep = self.model.labkit_ep
         mine = expert_bytes(self.model)
