@@ -74,7 +74,7 @@ def check_traceable(cfg: MemoryConfig) -> None:
     if spec.kind not in ("llm", "vision") or cfg.model is None:
         raise ConfigError(f"cannot build {spec.name!r} as a torch model: trace/measure run Llama presets, "
                           "ResNet presets or a Llama config.json (use `estimate` for the others)")
-    problems = [f"{k}={getattr(cfg, k)}" for k in ("dp", "tp", "pp") if getattr(cfg, k) != 1]
+    problems = [f"{k}={getattr(cfg, k)}" for k in ("dp", "tp", "pp", "cp", "ep") if getattr(cfg, k) != 1]
     problems += [f"{k}={getattr(cfg, k)!r}" for k, ok in (("offload", "none"), ("quant", "none"))
                  if getattr(cfg, k) != ok]
     if cfg.zero and cfg.dp > 1:
