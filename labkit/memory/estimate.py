@@ -315,7 +315,10 @@ def _shard(parts: dict, spec: ModelSpec, cfg: MemoryConfig, trainable: int, note
     experts = _expert_fraction(spec, cfg, notes)
     for key, stage in (("optimizer", 1), ("grads", 2), ("weights", 3)):
         divisor = nd if cfg.zero >= stage else 1
-        frac = experts if key == "weights" or not cfg.lora_rank else 0.0  # LoRA: experts frozen, no states
+        if key == "weights":  # expert weights stay at the compute width (not nn.Linear: never quantized)
+            frac = spec.expert_params * PRECISIONS[cfg.precision][0] / parts[key] if experts else 0.0
+        else:  # LoRA: experts frozen, no gradients or states
+            frac = 0.0 if cfg.lora_rank else experts
         # dense part / ZeRO's N_d; expert part / ep, or / N_d when ZeRO shards it over all dp ranks anyway
         parts[key] = math.ceil(parts[key] * share * ((1 - frac) / divisor + frac / max(divisor, cfg.ep)))
     if cfg.zero:
@@ -344,7 +347,7 @@ def _expert_fraction(spec: ModelSpec, cfg: MemoryConfig, notes: list) -> float:
                           "use ep=1, or an MoE model such as tiny-moe")
     if cfg.ep > 1:
         notes.append(f"ep={cfg.ep}: each GPU holds 1/{cfg.ep} of the experts ({spec.expert_params:,} parameters)")
-    return spec.expert_params / spec.params if spec.expert_params else 0.0
+    return spec.expert_params / spec.params if spec.expert_params else 0.0  # of the trainable parameters
 
 
 def _activations(spec: ModelSpec, cfg: MemoryConfig, notes: list) -> int:

@@ -69,10 +69,25 @@ def _is_experts(module: nn.Module) -> bool:
     return isinstance(w, nn.Parameter) and w.dim() == 3 and hasattr(module, "num_experts")
 
 
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single of rows with split sizes; its backward is the reverse all-to-all (the
+    gradient of a received row goes back to the rank that sent it)."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits: list, recv_splits: list, group):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        out = x.new_empty(sum(recv_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        return _AllToAll.apply(grad.contiguous(), recv_splits, send_splits, ctx.group), None, None, None
+
+
 def expert_parallel_forward(hidden, top_k_index, top_k_weights, *, local_forward, group, local: int):
     """Dispatch -> local experts -> combine. hidden (N,H); top_k_index, top_k_weights (N,k)."""
-    from torch.distributed.nn.functional import all_to_all_single
-
     n_tokens, k = top_k_index.shape
     expert = top_k_index.reshape(-1)  # (N*k,) expert of each routing slot
     order = torch.argsort(expert, stable=True)  # slots grouped by expert, hence by owner rank
@@ -86,10 +101,9 @@ def expert_parallel_forward(hidden, top_k_index, top_k_weights, *, local_forward
     local_ids = (expert[order] - owner * local).unsqueeze(1)  # (N*k, 1) id among the owner's experts
     ids = torch.empty(sum(recv_s), 1, dtype=local_ids.dtype, device=hidden.device)
     dist.all_to_all_single(ids, local_ids, recv_s, send_s, group=group)
-    x = all_to_all_single(hidden.new_empty(sum(recv_s), hidden.shape[1]), hidden[token],
-                          recv_s, send_s, group=group)  # dispatch (M,H): differentiable
+    x = _AllToAll.apply(hidden[token], send_s, recv_s, group)  # dispatch: (M,H) tokens for my experts
     y = local_forward(x, ids, torch.ones_like(ids, dtype=hidden.dtype))  # (M,H) each token's expert output
-    back = all_to_all_single(hidden.new_empty(len(token), hidden.shape[1]), y, send_s, recv_s, group=group)
+    back = _AllToAll.apply(y, recv_s, send_s, group)  # combine: (N*k,H) results, home again
     weights = top_k_weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)  # (N*k,1) router scores
     return torch.zeros_like(hidden).index_add(0, token, back * weights)  # combine: sum of k slots
 
