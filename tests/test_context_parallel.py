@@ -77,3 +77,41 @@ def test_context_parallel_through_the_training_loop(tmp_path):
     assert record.extra["cp"] == 2 and record.extra["dp_size"] == 1
     assert record.extra["eval_loss"] == pytest.approx(single.extra["eval_loss"], rel=1e-5)
     assert record.extra["ring_kv_bytes_per_layer_per_sample"] > 0
+
+
+def test_estimate_with_cp_is_a_trace_of_the_shorter_chunk_plus_the_ring_blocks():
+    """Validated against a trace like the other axes: a cp=2 GPU runs the seq/2 tokens of its chunk
+    (traced on fake tensors), plus the K/V blocks it received from the other rank."""
+    from labkit.memory.estimate import MemoryConfig, estimate
+    from labkit.memory.params import model_spec
+    from labkit.memory.trace import trace
+
+    cp = estimate(MemoryConfig(model="tiny-llama", precision="fp32", batch=2, seq=64, cp=2, gpus=2))
+    chunk = trace(MemoryConfig(model="tiny-llama", precision="fp32", batch=2, seq=32))
+    a = model_spec("tiny-llama").arch
+    ring = 2 * 2 * 32 * a["kv_heads"] * a["head_dim"] * 4 * a["layers"]  # K and V, b=2, 32 tokens, fp32
+    assert cp.activations - ring == pytest.approx(chunk.activations, rel=0.15)
+    assert cp.model_states == estimate(MemoryConfig(model="tiny-llama", precision="fp32")).model_states
+    with pytest.raises(ConfigError, match="equal chunks"):
+        estimate(MemoryConfig(model="tiny-llama", batch=1, seq=63, cp=2))
+    with pytest.raises(ConfigError, match=r"cp\(2\)"):
+        MemoryConfig(model="tiny-llama", cp=2, gpus=4)
+
+
+def test_plan_tries_context_parallel_only_for_long_sequences():
+    from labkit import planner
+
+    long = planner.plan(planner.PlanRequest(model="llama3-8b", gpus=8, gpus_per_node=8, seq=32768, batch=8))
+    with_cp = [o for o in long.fits + long.too_big if o.cp > 1]
+    assert with_cp and all(o.comm_bytes["cp"] > 0 and o.dp * o.tp * o.pp * o.cp == 8 for o in with_cp)
+    # one 32k-token sequence split over cp=8: its activations shrink ~8x (plus the ring blocks)
+    from labkit.memory.estimate import MemoryConfig, estimate
+
+    whole = estimate(MemoryConfig(model="llama3-8b", batch=1, seq=32768, checkpointing="full"))
+    eighth = estimate(MemoryConfig(model="llama3-8b", batch=1, seq=32768, checkpointing="full", cp=8))
+    assert eighth.activations < whole.activations / 4
+    split = planner.evaluate(planner.PlanRequest(model="llama3-8b", gpus=8, gpus_per_node=8, seq=32768, batch=1),
+                             1, 1, 1, 0, 1, cp=8)
+    assert split.cp == 8 and "cp=8" in split.layout and split.comm_s["cp"] > 0
+    short = planner.plan(planner.PlanRequest(model="llama3-8b", gpus=8, gpus_per_node=8))
+    assert {o.cp for o in short.fits + short.too_big} == {1}
