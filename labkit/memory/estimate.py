@@ -66,14 +66,12 @@ def check_topology(dp: int, tp: int, pp: int, gpus: int, cp: int = 1) -> None:
     """Raise ConfigError unless dp * tp * pp (* cp) == gpus, naming the product (torchtitan ParallelDims)."""
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("gpus", gpus), ("cp", cp)):
         _positive(name, value)
-    product = dp * tp * pp * cp
-    if cp > 1 and product != gpus:
-        raise ConfigError(f"tp({tp}) * pp({pp}) * cp({cp}) * dp({dp}) = {product} != gpus({gpus}): "
-                          "the degrees must multiply to the GPU count")
+    product, model = dp * tp * pp * cp, tp * pp * cp
     if product != gpus:
-        hint = (f"; e.g. dp={gpus // (tp * pp)} with tp={tp}, pp={pp}" if gpus % (tp * pp) == 0
-                else f"; tp*pp={tp * pp} does not divide {gpus}")
-        raise ConfigError(f"tp({tp}) * pp({pp}) * dp({dp}) = {product} != gpus({gpus}): "
+        cp_text = f" * cp({cp})" if cp > 1 else ""
+        hint = (f"; e.g. dp={gpus // model} with tp={tp}, pp={pp}" + (f", cp={cp}" if cp > 1 else "")
+                if gpus % model == 0 else f"; tp*pp{'*cp' if cp > 1 else ''}={model} does not divide {gpus}")
+        raise ConfigError(f"tp({tp}) * pp({pp}){cp_text} * dp({dp}) = {product} != gpus({gpus}): "
                           f"the degrees must multiply to the GPU count{hint}")
 
 
