@@ -27,7 +27,9 @@ mean (equal chunks, mean loss), averaged with one all-reduce per step like DDP.
 
 torch's own `torch.distributed.tensor.experimental.context_parallel` dispatches on the CUDA
 flash / efficient / cuDNN SDPA kernels only (CPU SDPA uses another op), so it does not run on our
-CPU ranks; on a GPU node it is the production path (unverified here). Introduced in notebook 09_beyond_3d.
+CPU ranks; on a GPU node it is the production path. This ring runs over NCCL unchanged (isend/irecv),
+but is tested on gloo only: NCCL runs and bf16 (which it computes in fp32) are unverified on
+hardware. Introduced in notebook 09_beyond_3d.
 """
 from __future__ import annotations
 
@@ -78,13 +80,17 @@ def split_sequence(x: torch.Tensor, rank: int, n: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------ the math
 def block_attention(q, k, v, *, scale: float, causal: bool):
-    """Attention of queries q (B,h,Tq,d) on one K/V block (B,h,Tk,d): output (B,h,Tq,d) and lse (B,h,Tq)."""
-    scores = (q @ k.transpose(-2, -1)) * scale  # (B, h, Tq, Tk)
-    if causal:  # the diagonal block: query i sees keys 0..i
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # (B, h, Tq)
-    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+    """Attention of queries q (B,h,Tq,d) on one K/V block (B,h,Tk,d): output (B,h,Tq,d) and lse (B,h,Tq).
+
+    In fp32 whatever the autocast (FlashAttention also keeps its softmax statistics in fp32)."""
+    with torch.autocast(q.device.type, enabled=False):
+        q, k, v = q.float(), k.float(), v.float()
+        scores = (q @ k.transpose(-2, -1)) * scale  # (B, h, Tq, Tk)
+        if causal:  # the diagonal block: query i sees keys 0..i
+            mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(mask, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # (B, h, Tq)
+        return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b):
@@ -151,7 +157,7 @@ def _hf_ring_attention(module, query, key, value, attention_mask, scaling=None, 
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = ring_attention(query, key, value, module.labkit_cp_group, scale=scale,
                          kv_groups=getattr(module, "num_key_value_groups", 1))
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).to(query.dtype).contiguous(), None
 
 
 def average_gradients(model: nn.Module, group) -> None:

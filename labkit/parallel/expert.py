@@ -19,7 +19,8 @@ Gradients, so the update equals the single-process one: every rank's loss is the
 samples, the global loss the mean of those. Dense gradients are therefore AVERAGED over the ranks
 (all-reduce / N, as DDP does); an expert's gradient already SUMS the contributions of every rank's
 tokens (they came back through the all-to-all's backward), so it is only divided by N.
-Introduced in notebook 09_beyond_3d.
+Tested on gloo (CPU); NCCL's all_to_all_single takes the same splits, but GPU runs (and HF's
+grouped_mm expert kernels in bf16 there) are unverified on hardware. Introduced in notebook 09_beyond_3d.
 """
 from __future__ import annotations
 
