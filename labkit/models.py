@@ -43,7 +43,11 @@ def llm_config(name: str):
     from transformers import AutoConfig, LlamaConfig
 
     if name in presets.LLM_PRESETS:
-        return LlamaConfig(**presets.LLM_PRESETS[name])
+        preset = presets.LLM_PRESETS[name]
+        if "num_local_experts" in preset:  # mixture of experts (tiny-moe): Mixtral's layout
+            from transformers import MixtralConfig
+            return MixtralConfig(**preset)
+        return LlamaConfig(**preset)
     folder = checkpoint_dir(name, weights=False)
     if folder is not None:
         return AutoConfig.from_pretrained(folder)
@@ -64,7 +68,7 @@ def build_llm(name: str, *, seed: int = 0, dtype: torch.dtype | None = None, **l
         return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32, **load_kwargs)
     config = llm_config(name)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config) if config.model_type == "llama" else AutoModelForCausalLM.from_config(config)
     return model.to(dtype) if dtype is not None else model
 
 

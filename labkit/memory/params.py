@@ -51,6 +51,8 @@ class ModelSpec:
     linears: tuple[Linear, ...] = ()
     arch: dict = field(default_factory=dict)
     """Architecture numbers for the activation formulas (hidden_size, heads, vocab, ...)."""
+    expert_params: int = 0
+    """Parameters of all mixture-of-experts experts (0 for a dense model): what expert parallelism splits."""
 
     @property
     def largest_layer(self) -> int:
@@ -69,15 +71,22 @@ def llama_spec(name: str, cfg: dict) -> ModelSpec:
                Linear("v_proj", h, kv * hd, layers), Linear("o_proj", heads * hd, h, layers),
                Linear("gate_proj", h, inter, layers), Linear("up_proj", h, inter, layers),
                Linear("down_proj", inter, h, layers))  # count = one per layer
+    experts = cfg.get("num_local_experts", 0)
+    if experts:  # Mixtral: E SwiGLU experts of width `inter` (stacked 3-D weights) + a router (E x h)
+        linears = linears[:4]  # the experts are not nn.Linear modules (no LoRA / bnb targets)
     block = sum(lin.fan_in * lin.fan_out for lin in linears) + 2 * h  # + two RMSNorm weights
+    block += experts * (3 * h * inter + h)
     embed = vocab * h
     head = h + (0 if cfg.get("tie_word_embeddings") else vocab * h)  # final norm (+ lm_head)
     arch = dict(hidden=h, intermediate=inter, layers=layers, heads=heads, kv_heads=kv, head_dim=hd,
                 vocab=vocab, max_seq=cfg.get("max_position_embeddings", 2048),
                 tied=bool(cfg.get("tie_word_embeddings")))
+    if experts:
+        arch.update(experts=experts, top_k=cfg.get("num_experts_per_tok", 2))
     # buffers: the rotary inv_freq and original_inv_freq (head_dim / 2 each)
     return ModelSpec(name, "llm", embed + layers * block + head, buffers=hd, embed=embed, block=block,
-                     num_blocks=layers, head=head, linears=linears, arch=arch)
+                     num_blocks=layers, head=head, linears=linears, arch=arch,
+                     expert_params=layers * experts * 3 * h * inter)
 
 
 def gpt_spec(name: str, cfg: dict) -> ModelSpec:

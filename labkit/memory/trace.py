@@ -74,7 +74,7 @@ def check_traceable(cfg: MemoryConfig) -> None:
     if spec.kind not in ("llm", "vision") or cfg.model is None:
         raise ConfigError(f"cannot build {spec.name!r} as a torch model: trace/measure run Llama presets, "
                           "ResNet presets or a Llama config.json (use `estimate` for the others)")
-    problems = [f"{k}={getattr(cfg, k)}" for k in ("dp", "tp", "pp") if getattr(cfg, k) != 1]
+    problems = [f"{k}={getattr(cfg, k)}" for k in ("dp", "tp", "pp", "cp", "ep") if getattr(cfg, k) != 1]
     problems += [f"{k}={getattr(cfg, k)!r}" for k, ok in (("offload", "none"), ("quant", "none"))
                  if getattr(cfg, k) != ok]
     if cfg.zero and cfg.dp > 1:
@@ -260,6 +260,9 @@ def trace(cfg: MemoryConfig) -> Estimate:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     check_traceable(cfg)
+    if spec_of(cfg).expert_params:
+        raise ConfigError(f"{cfg.model} routes tokens to experts by value (data-dependent shapes), which "
+                          "fake tensors cannot run; measure one real step instead: `labkit memory measure`")
     start = time.perf_counter()
     with _quiet():
         current, peaks, n, trainable = run_step(cfg, fake_mode=FakeTensorMode())

@@ -81,6 +81,8 @@ STRATEGIES = MappingProxyType({
     **{n: ("pipeline", "model-parallel") for n in ("pipeline-gpipe", "pipeline-1f1b")},
     **{n: ("tensor", "model-parallel") for n in ("tensor", "tensor-fsdp")},
     **{n: ("stack", "profiling and stacking") for n in ("fsdp-qlora", "fsdp-qlora-offload")},
+    "context-parallel": ("context", "beyond 3-D"),
+    "expert-parallel": ("expert", "beyond 3-D"),
 })
 
 _LAZY = {"Strategy", "DistContext", "ResidentBytes"}

@@ -38,6 +38,10 @@ class Task:
     """Classes (vision) or vocabulary size (llm)."""
     seq_len: int = 0
     """Tokens per sequence (llm); 0 for images."""
+    moe_top_k: int = 0
+    """Experts per token of a mixture-of-experts LLM (tiny-moe); 0 for a dense model."""
+    aux_loss_coef: float = 0.0
+    """Weight of the MoE load-balancing loss (`labkit.moe.balance_loss`) added to the training loss."""
 
     @property
     def tokens_per_sample(self) -> int:
@@ -53,14 +57,22 @@ class Task:
         return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
     def loss(self, model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.criterion(self.logits(model, inputs), targets)
+        if not self.moe_top_k:
+            return self.criterion(self.logits(model, inputs), targets)
+        out = model(inputs)  # MoE: + the routers' load-balancing loss (labkit.moe, notebook 09)
+        from labkit.moe import balance_loss
+        aux = balance_loss(out.router_logits, top_k=self.moe_top_k, batch=inputs.shape[0])
+        return self.criterion(out.logits, targets) + self.aux_loss_coef * aux
 
 
 def make_task(cfg) -> Task:
     """The task of a resolved TrainConfig's model."""
     if cfg.kind == "llm":
         from labkit.models import llm_config
-        return Task("llm", llm_config(cfg.model).vocab_size, cfg.seq_len)
+        from labkit.moe import moe_facts
+        config = llm_config(cfg.model)
+        moe = moe_facts(config)
+        return Task("llm", config.vocab_size, cfg.seq_len, moe_top_k=moe["top_k"], aux_loss_coef=moe["aux_coef"])
     return Task("vision", presets.VISION_PRESETS[cfg.model]["num_classes"])
 
 
