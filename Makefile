@@ -11,7 +11,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(BUILD)/torch_extensions
 export MPLBACKEND := Agg
 PYTEST_ARGS ?=
 
-.PHONY: lab test smoke venv kernel clean-notebooks clean bench slides chromium
+.PHONY: lab test smoke venv kernel clean-notebooks clean bench slides chromium bubblewrap
 
 $(BIN)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 1; }
@@ -32,7 +32,7 @@ LAB_ARGS ?=
 lab: venv
 	$(BIN)/jupyter lab --notebook-dir=notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_ARGS)
 
-test: venv chromium
+test: venv chromium bubblewrap
 	mkdir -p $(BUILD)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
@@ -47,6 +47,13 @@ chromium:
 	@if [ ! -x /usr/bin/chromium ]; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update && apt-get install -y chromium; \
 	  else echo "error: /usr/bin/chromium is missing: run 'sudo apt-get install -y chromium' (Debian/Ubuntu), then retry"; exit 1; fi; \
+	fi
+
+# `labkit grade --execute` runs each notebook in Debian's bubblewrap sandbox (tests/test_grading_isolation.py).
+bubblewrap:
+	@if [ ! -x /usr/bin/bwrap ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update && apt-get install -y bubblewrap; \
+	  else echo "error: /usr/bin/bwrap is missing: run 'sudo apt-get install -y bubblewrap' (Debian/Ubuntu), then retry"; exit 1; fi; \
 	fi
 
 slides: venv chromium

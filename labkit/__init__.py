@@ -1,1 +1,10 @@
 """labkit: helpers for the course."""
+
+
+def free_gpu_memory() -> None:
+    """Release what this process no longer uses: collect garbage and, on a GPU, empty torch's cache so
+    the next notebook (or another student's kernel) gets the memory back. Call it at the end of a lab;
+    shutting the kernel down frees everything."""
+    from labkit.train.metrics import free_device_memory
+
+    free_device_memory()

@@ -1,7 +1,9 @@
 """Build the course's models from presets or local checkpoints. Models know nothing about parallelism.
 
 - LLMs: transformers `LlamaForCausalLM` built from a preset config, or loaded with
-  `from_pretrained(path)` from a local folder (the same call a GPU user makes on a real checkpoint).
+  `from_pretrained(path)` from a local folder or a Hugging Face id in the HF cache (`labkit.hub`;
+  `labkit fetch ID` fills the cache). A checkpoint loads in an explicit dtype: transformers 5 keeps
+  the saved one (often fp16) otherwise, and a full fine-tune needs fp32 weights.
 - Vision: torchvision ResNets (`resnet50` is torchvision's own constructor).
 Introduced in notebook 02_single_gpu (vision) and 04_fsdp (LLM).
 """
@@ -13,17 +15,27 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from labkit import presets
+from labkit import hub, presets
 from labkit.errors import ConfigError
 
 
 def is_llm(name: str) -> bool:
-    """True for an LLM preset or a local checkpoint folder (one with a config.json)."""
-    return name in presets.LLM_PRESETS or _is_checkpoint(name)
+    """True for an LLM preset, a local checkpoint folder (one with a config.json) or a HF id 'ORG/NAME'."""
+    return name in presets.LLM_PRESETS or _is_checkpoint(name) or hub.is_hub_id(name)
 
 
 def _is_checkpoint(name: str) -> bool:
     return (Path(name) / "config.json").is_file()
+
+
+def checkpoint_dir(name: str, *, weights: bool = True) -> Path | None:
+    """The folder `from_pretrained` reads: a local checkpoint, or a HF id's cached snapshot (ConfigError
+    naming `labkit fetch ID` when it is not cached); None for a preset."""
+    if _is_checkpoint(name):
+        return Path(name)
+    if hub.is_hub_id(name):
+        return hub.resolve(name, weights=weights)
+    return None
 
 
 def llm_config(name: str):
@@ -31,22 +43,32 @@ def llm_config(name: str):
     from transformers import AutoConfig, LlamaConfig
 
     if name in presets.LLM_PRESETS:
-        return LlamaConfig(**presets.LLM_PRESETS[name])
-    if _is_checkpoint(name):
-        return AutoConfig.from_pretrained(name)
-    raise ConfigError(f"unknown LLM {name!r}: use one of {', '.join(presets.LLM_PRESETS)} "
-                      "or a local folder holding config.json (from save_pretrained)")
+        preset = presets.LLM_PRESETS[name]
+        if "num_local_experts" in preset:  # mixture of experts (tiny-moe): Mixtral's layout
+            from transformers import MixtralConfig
+            return MixtralConfig(**preset)
+        return LlamaConfig(**preset)
+    folder = checkpoint_dir(name, weights=False)
+    if folder is not None:
+        return AutoConfig.from_pretrained(folder)
+    raise ConfigError(f"unknown LLM {name!r}: use one of {', '.join(presets.LLM_PRESETS)}, a local folder "
+                      "holding config.json (from save_pretrained) or a Hugging Face id ORG/NAME")
 
 
 def build_llm(name: str, *, seed: int = 0, dtype: torch.dtype | None = None, **load_kwargs) -> nn.Module:
-    """A causal LM: random init from a preset (seeded), or `from_pretrained` for a local checkpoint."""
+    """A causal LM: random init from a preset (seeded), or `from_pretrained` for a checkpoint / HF id.
+
+    A checkpoint loads in `dtype`, default fp32 (trained weights need an fp32 copy for the optimizer;
+    a frozen LoRA base passes its 16-bit compute dtype), never silently in the dtype it was saved in.
+    """
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    if _is_checkpoint(name):
-        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **load_kwargs)
+    folder = checkpoint_dir(name)
+    if folder is not None:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32, **load_kwargs)
     config = llm_config(name)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config) if config.model_type == "llama" else AutoModelForCausalLM.from_config(config)
     return model.to(dtype) if dtype is not None else model
 
 
@@ -71,7 +93,8 @@ def build_model(name: str, *, seed: int = 0, dtype: torch.dtype | None = None) -
     if name in presets.VISION_PRESETS:
         return build_vision(name, seed=seed)
     valid = list(presets.LLM_PRESETS) + list(presets.VISION_PRESETS)
-    raise ConfigError(f"unknown model {name!r}: use one of {', '.join(valid)} or a local LLM checkpoint folder")
+    raise ConfigError(f"unknown model {name!r}: use one of {', '.join(valid)}, a local LLM checkpoint folder "
+                      "or a Hugging Face id ORG/NAME")
 
 
 def save_llm(name: str, path: str | os.PathLike, *, seed: int = 0) -> Path:

@@ -156,6 +156,10 @@ class Layout:
     """Model chunks per GPU (Narayanan et al. 2021 Sec. 2.2.2): the bubble shrinks by this factor."""
     flash: bool = True
     """Fused attention (no s x s scores in HBM); False = the 2021-22 Megatron softmax kernels."""
+    cp: int = 1
+    """Context parallel: GPUs one sequence is split over (ring attention); they also reduce gradients."""
+    ep: int = 1
+    """Expert parallel (MoE): dp ranks the experts are split over; tokens move by all-to-all."""
 
 
 @dataclass(frozen=True)
@@ -178,12 +182,19 @@ class StepTime:
     tflops_per_gpu: float
     """Hardware TFLOPS achieved per GPU (recomputation included, as Narayanan et al. report it)."""
     comm_bytes: dict
-    """Bytes each GPU sends per step by dimension: tp, pp, dp."""
+    """Bytes each GPU sends per step by dimension: tp, pp, dp (cp, ep when > 1)."""
+    cp_s: float = 0.0
+    """Ring-attention K/V exchange, counted as exposed (a fused ring kernel hides part of it)."""
+    ep_s: float = 0.0
+    """Expert all-to-all (dispatch + combine, forward and backward), counted as exposed."""
 
 
 def layer_forward_flops(spec, seq: int) -> float:
     """Forward FLOPs of one layer per token: the GEMMs (from the spec's linears) + QK^T and AV."""
     gemms = 2 * sum(lin.fan_in * lin.fan_out for lin in spec.linears)
+    if spec.arch.get("experts"):  # MoE: each token runs k SwiGLU experts (3 h x inter GEMMs) + the router
+        a = spec.arch
+        gemms += 2 * (a["top_k"] * 3 * a["hidden"] * a["intermediate"] + a["experts"] * a["hidden"])
     return gemms + 4 * seq * spec.arch["heads"] * spec.arch["head_dim"]
 
 
@@ -228,17 +239,17 @@ def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, effi
               params_on_gpu: float | None = None) -> StepTime:
     """The time model of the module docstring for `spec` (a `labkit.memory.params.ModelSpec`)."""
     g = GPUS[gpu]
-    gpus = lay.dp * lay.tp * lay.pp
+    gpus = lay.dp * lay.tp * lay.pp * lay.cp
     a, b, t = spec.arch, lay.micro_batch, lay.tp
     gpt = spec.kind == "gpt"
     layers = math.ceil(a["layers"] / lay.pp)
     flops_s = g.peak_tflops * 1e12 * efficiency.value
-    tok = b * seq
+    tok = b * seq // lay.cp  # this GPU's tokens of a micro-batch (its queries still see all seq keys)
     fwd = layers * tok * layer_forward_flops(spec, seq) / t
     head = tok * 2 * a["hidden"] * a["vocab"] / t  # vocab-parallel LM head, on the last stage
     redo = layers * tok * recompute_flops(spec, seq, lay.checkpointing) / t
     matmul = (3 * fwd + 3 * head + redo) / flops_s
-    nonmatmul = layers * _nonmatmul_bytes(spec, lay, seq, gpt) / (g.hbm_gbs * 1e9 * MEMORY_EFFICIENCY)
+    nonmatmul = layers * _nonmatmul_bytes(spec, lay, seq // lay.cp, gpt) / (g.hbm_gbs * 1e9 * MEMORY_EFFICIENCY)
     act = tok * a["hidden"] * 2  # one (b, s, h) bf16 activation
     n_ar = (6 if lay.checkpointing == "full" else 4) * layers
     tp_bytes = n_ar * 2 * (t - 1) / t * act
@@ -246,11 +257,15 @@ def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, effi
     pp_bytes = 2 * act / t if lay.pp > 1 else 0.0
     crosses = gpus > gpus_per_node and t * lay.pp > gpus_per_node
     pp = pp_bytes / ((g.network_gbs if crosses else g.nvlink_gbs) * 1e9 * COMM_EFFICIENCY)
-    slot = matmul + nonmatmul + tp + pp
+    cp_bytes, ep_bytes = _cp_ep_bytes(spec, lay, tok, layers)
+    bw = lambda inside: (g.nvlink_gbs if inside else g.network_gbs) * 1e9 * COMM_EFFICIENCY  # noqa: E731
+    cp = cp_bytes / bw(t * lay.cp <= gpus_per_node)
+    ep = ep_bytes / bw(gpus <= gpus_per_node)
+    slot = matmul + nonmatmul + tp + pp + cp + ep
     m, warm = lay.microbatches, (lay.pp - 1) / lay.interleave
     pipeline = (m + warm) * slot
     params = params_on_gpu if params_on_gpu is not None else spec.params / (t * lay.pp)
-    d = lay.dp
+    d = lay.dp * lay.cp  # cp ranks hold replicas too: they reduce gradients with the dp ranks
     if lay.zero == 3:  # gather for forward and backward, reduce-scatter, every micro-batch
         dp_bytes = 3 * m * (d - 1) / d * 2 * params
         hidden = pipeline
@@ -262,13 +277,29 @@ def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, effi
     updated = params / (d if lay.zero else 1)
     optimizer = OPTIMIZER_BYTES * updated / (g.hbm_gbs * 1e9 * MEMORY_EFFICIENCY)
     step = pipeline + dp_exposed + optimizer
-    model, hardware = step_flops(spec, b * m * d * seq, seq, lay.checkpointing)
+    model, hardware = step_flops(spec, b * m * lay.dp * seq, seq, lay.checkpointing)
     peak_all = gpus * g.peak_tflops * 1e12
     return StepTime(matmul_s=m * matmul, nonmatmul_s=m * nonmatmul, tp_s=m * tp, pp_s=m * pp, dp_s=dp_exposed,
                     optimizer_s=optimizer, bubble=warm / (m + warm), step_s=step, model_flops=model,
                     hardware_flops=hardware, mfu=model / (peak_all * step), hfu=hardware / (peak_all * step),
                     tflops_per_gpu=hardware / gpus / step / 1e12,
-                    comm_bytes={"tp": int(m * tp_bytes), "pp": int(m * pp_bytes), "dp": int(dp_bytes)})
+                    comm_bytes={"tp": int(m * tp_bytes), "pp": int(m * pp_bytes), "dp": int(dp_bytes),
+                                **({"cp": int(m * cp_bytes)} if lay.cp > 1 else {}),
+                                **({"ep": int(m * ep_bytes)} if lay.ep > 1 else {})},
+                    cp_s=m * cp, ep_s=m * ep)
+
+
+def _cp_ep_bytes(spec, lay: Layout, tok: int, layers: int) -> tuple[float, float]:
+    """Bytes one GPU sends per micro-batch for context and expert parallelism (bf16).
+
+    Ring attention (Liu et al. 2023): cp - 1 K/V blocks of tok x kv_heads x head_dim forward; the
+    backward passes K/V and their gradients around again (x3 in all). Expert all-to-all (GShard):
+    tok x k token copies of width h leave the GPU ((ep-1)/ep of them) for dispatch and come back for
+    combine, forward and backward (x4)."""
+    a = spec.arch
+    cp = 3 * layers * (lay.cp - 1) * 2 * tok * a["kv_heads"] * a["head_dim"] * 2 / lay.tp if lay.cp > 1 else 0.0
+    ep = 4 * layers * (lay.ep - 1) / lay.ep * tok * a.get("top_k", 0) * a["hidden"] * 2 if lay.ep > 1 else 0.0
+    return cp, ep
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ from labkit.perf_model import GPUS, Budget, Efficiency, GpuSpec, budget  # noqa:
 #: which the estimator does not count.
 USABLE = 0.9
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
+#: From this sequence length on, the plan also splits sequences (context parallelism, ring attention).
+LONG_SEQUENCE = 16384
 
 
 @dataclass(frozen=True)
@@ -115,10 +117,15 @@ class Option:
     """Hardware FLOPs (recomputation included) / (N peak step_s)."""
     tflops_per_gpu: float = 0.0
     """Hardware TFLOPS per GPU (recomputation included, as Megatron-LM reports it)."""
+    cp: int = 1
+    """Context-parallel degree (long sequences only)."""
+    ep: int = 1
+    """Expert-parallel degree (MoE models only)."""
 
     @property
     def layout(self) -> str:
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero} m={self.microbatches}"
+        extra = "".join(f" {k}={v}" for k, v in (("cp", self.cp), ("ep", self.ep)) if v > 1)
+        return f"dp={self.dp} tp={self.tp} pp={self.pp}{extra} zero={self.zero} m={self.microbatches}"
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "layout": self.layout, "memory_gb": round(self.memory_bytes / 1e9, 2)}
@@ -128,12 +135,18 @@ def _arch(model: str) -> dict:
     return dict(presets.LLM_PRESETS.get(model) or presets.GPT_PRESETS[model])
 
 
-def check_layout(req: PlanRequest, dp: int, tp: int, pp: int, zero: int = 0) -> None:
-    """ConfigError naming why (dp, tp, pp, zero) cannot run `req`; returns None when it can."""
+def check_layout(req: PlanRequest, dp: int, tp: int, pp: int, zero: int = 0, *, cp: int = 1, ep: int = 1) -> None:
+    """ConfigError naming why (dp, tp, pp, zero, cp, ep) cannot run `req`; returns None when it can."""
     from labkit.memory.estimate import check_topology
 
-    check_topology(dp, tp, pp, req.gpus)  # "tp(8) * pp(8) * dp(8) = 512 != gpus(64)"
+    check_topology(dp, tp, pp, req.gpus, cp)  # "tp(8) * pp(8) * dp(8) = 512 != gpus(64)"
     arch = _arch(req.model)
+    if req.seq % cp:
+        raise ConfigError(f"cp={cp} does not split seq={req.seq} into equal chunks; use a cp that divides it")
+    experts = arch.get("num_local_experts", 0)
+    if ep > 1 and (not experts or dp % ep or experts % ep):
+        raise ConfigError(f"ep={ep} must divide dp={dp} and the {experts} experts of {req.model} "
+                          "(expert parallelism splits the experts over data-parallel ranks)")
     if tp > req.gpus_per_node:
         raise ConfigError(f"tp={tp} > {req.gpus_per_node} GPUs per node: a tensor-parallel group all-reduces "
                           "inside every layer and must sit on one node's NVLink; use tp <= "
@@ -152,7 +165,8 @@ def check_layout(req: PlanRequest, dp: int, tp: int, pp: int, zero: int = 0) -> 
         raise ConfigError(f"global batch {req.batch} does not split over dp={dp}; use a multiple of {dp}")
 
 
-def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch: int) -> Option:
+def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch: int, *,
+             cp: int = 1, ep: int = 1) -> Option:
     """Memory (estimator) and step time (`labkit.perf_model`) of one valid layout."""
     from labkit.memory.estimate import MemoryConfig, estimate, spec_of
 
@@ -160,21 +174,22 @@ def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch
     m = per_replica // micro_batch
     cfg = MemoryConfig(model=req.model, precision="mixed-bf16", zero=zero, dp=dp, tp=tp, pp=pp, gpus=req.gpus,
                        batch=per_replica, grad_accum=m, seq=req.seq, checkpointing=req.checkpointing,
-                       sequence_parallel=tp > 1)
+                       sequence_parallel=tp > 1, cp=cp, ep=ep)
     est = estimate(cfg)
     spec = spec_of(cfg)
     share = est.weights / 2 / spec.params * (dp if zero == 3 else 1)  # weights are 2 B/param before ZeRO-3
     lay = perf_model.Layout(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, microbatches=m,
                             checkpointing=req.checkpointing, zero=zero, sequence_parallel=tp > 1,
-                            flash=cfg.flash_attention)
+                            flash=cfg.flash_attention, cp=cp, ep=ep)
     t = perf_model.step_time(spec, lay, seq=req.seq, gpu=req.gpu, gpus_per_node=req.gpus_per_node,
                              efficiency=req.efficiency, params_on_gpu=share * spec.params)
-    comm = {"tp": t.tp_s, "pp": t.pp_s, "dp": t.dp_s}
+    comm = {"tp": t.tp_s, "pp": t.pp_s, "dp": t.dp_s, **({"cp": t.cp_s} if cp > 1 else {}),
+            **({"ep": t.ep_s} if ep > 1 else {})}
     return Option(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m, micro_batch=micro_batch,
                   memory_bytes=est.total, fits=est.total <= req.capacity_bytes, bubble=round(t.bubble, 4),
                   comm_s={k: round(v, 4) for k, v in comm.items()}, comm_bytes=t.comm_bytes,
                   compute_s=round(t.matmul_s + t.nonmatmul_s, 4), step_s=round(t.step_s, 4), mfu=round(t.mfu, 4),
-                  hfu=round(t.hfu, 4), tflops_per_gpu=round(t.tflops_per_gpu, 1))
+                  hfu=round(t.hfu, 4), tflops_per_gpu=round(t.tflops_per_gpu, 1), cp=cp, ep=ep)
 
 
 def assumption(req: PlanRequest) -> dict:
@@ -204,27 +219,48 @@ class Plan:
                 "rejected": [dict(dp=d, tp=t, pp=p, reason=r) for d, t, p, r in self.rejected]}
 
 
+def _cp_degrees(req: PlanRequest, rest: int) -> list[int]:
+    """Context-parallel degrees to try: only for long sequences (activations grow with seq)."""
+    return [c for c in _divisors(rest) if c == 1 or (req.seq >= LONG_SEQUENCE and req.seq % c == 0)]
+
+
+def _ep_degrees(req: PlanRequest, dp: int) -> list[int]:
+    """Expert-parallel degrees to try: only for MoE models, dividing dp and the expert count."""
+    experts = _arch(req.model).get("num_local_experts", 0)
+    return [e for e in _divisors(dp) if e == 1 or (experts and experts % e == 0)]
+
+
 def plan(req: PlanRequest) -> Plan:
-    """Enumerate (dp, tp, pp) with dp*tp*pp = gpus, ZeRO stages and micro-batch sizes; rank what fits."""
+    """Enumerate (dp, tp, pp[, cp, ep]) with dp*tp*pp*cp = gpus, ZeRO stages and micro-batch sizes;
+    rank what fits. cp is tried for sequences >= LONG_SEQUENCE, ep for models with experts."""
     options, rejected = [], []
     for tp in _divisors(req.gpus):
         for pp in _divisors(req.gpus // tp):
-            dp = req.gpus // (tp * pp)
-            try:
-                check_layout(req, dp, tp, pp)
-            except ConfigError as exc:
-                rejected.append((dp, tp, pp, str(exc)))
-                continue
-            for zero in range(4):
-                if (zero and dp == 1) or (zero >= 2 and pp > 1):
+            for cp in _cp_degrees(req, req.gpus // (tp * pp)):
+                dp = req.gpus // (tp * pp * cp)
+                try:
+                    check_layout(req, dp, tp, pp, cp=cp)
+                except ConfigError as exc:
+                    rejected.append((dp, tp, pp, str(exc)))
                     continue
-                for b in MICRO_BATCH_SIZES:
-                    per_replica = req.batch // dp
-                    if per_replica % b or per_replica // b < (pp if pp > 1 else 1):
-                        continue
-                    options.append(evaluate(req, dp, tp, pp, zero, b))
+                for ep in _ep_degrees(req, dp):
+                    options += _options(req, dp, tp, pp, cp, ep)
     options.sort(key=lambda o: (o.step_s, o.memory_bytes))
     return Plan(req, [o for o in options if o.fits], [o for o in options if not o.fits], rejected)
+
+
+def _options(req: PlanRequest, dp: int, tp: int, pp: int, cp: int, ep: int) -> list:
+    """Every ZeRO stage and micro-batch size of one valid (dp, tp, pp, cp, ep)."""
+    out = []
+    for zero in range(4):
+        if (zero and dp == 1) or (zero >= 2 and pp > 1):
+            continue
+        for b in MICRO_BATCH_SIZES:
+            per_replica = req.batch // dp
+            if per_replica % b or per_replica // b < (pp if pp > 1 else 1):
+                continue
+            out.append(evaluate(req, dp, tp, pp, zero, b, cp=cp, ep=ep))
+    return out
 
 
 def format_plan(p: Plan, top: int = 10) -> str:
@@ -238,7 +274,9 @@ def format_plan(p: Plan, top: int = 10) -> str:
     for i, o in enumerate(p.fits[:top], 1):
         lines.append(f"{i:>4} {o.dp:>3} {o.tp:>3} {o.pp:>3} {o.zero:>4} {o.microbatches:>4} {o.micro_batch:>2} "
                      f"{o.memory_bytes / 1e9:>7.1f} {o.bubble:>6.3f} {o.comm_s['tp']:>6.2f} {o.comm_s['pp']:>6.2f} "
-                     f"{o.comm_s['dp']:>6.2f} {o.step_s:>7.2f} {o.mfu:>5.2f} {o.hfu:>5.2f} {o.tflops_per_gpu:>6.0f}")
+                     f"{o.comm_s['dp']:>6.2f} {o.step_s:>7.2f} {o.mfu:>5.2f} {o.hfu:>5.2f} {o.tflops_per_gpu:>6.0f}"
+                     + "".join(f"  {k}={getattr(o, k)} ({k}_s {o.comm_s[k]:.2f})" for k in ("cp", "ep")
+                               if getattr(o, k) > 1))
     if not p.fits:
         lines.append("   (no layout fits: more GPUs, a bigger GPU, or a smaller batch / sequence)")
     lines.append(format_assumption(r))

@@ -18,6 +18,13 @@ LLM_PRESETS = MappingProxyType({
     "tiny-llama": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                        tie_word_embeddings=False),
+    # Tiny mixture of experts (HF Mixtral layout, Jiang et al. 2024): tiny-llama's attention, and in
+    # place of its MLP 4 SwiGLU experts of width 64 with a top-2 router, so expert parallelism splits
+    # them 2 + 2 over 2 ranks. `num_local_experts` marks an MoE preset (labkit.models builds Mixtral).
+    "tiny-moe": dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                     tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+                     router_aux_loss_coef=0.01, output_router_logits=True),
     "tinyllama-1.1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                            num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                            max_position_embeddings=2048, tie_word_embeddings=False),

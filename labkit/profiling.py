@@ -209,7 +209,8 @@ class Summary:
 
     title: str
     time: dict
-    """`trace_analysis.time_breakdown`: steps, step_s, shares by category, background / GPU shares."""
+    """`trace_analysis.time_breakdown`: steps, step_s, shares by category (of the GPU's time on a CUDA
+    trace, of the training thread's on CPU: `source`), background communication, `gpu` details."""
     ops: list
     """`trace_analysis.top_ops`: name, self_ms, calls, share."""
     peak: dict
@@ -219,19 +220,25 @@ class Summary:
 
     @property
     def bottleneck(self) -> str:
-        """The category with the largest share of step time."""
+        """The category with the largest share of step time (the GPU's time on a CUDA trace)."""
         return max(self.time["shares"], key=self.time["shares"].get)
 
     @property
     def text(self) -> str:
         t, p = self.time, self.peak
+        gpu = t.get("gpu")
         lines = [f"profile of {self.title or 'a run'}: {t['steps']} traced step(s), {t['step_s'] * 1e3:.1f} ms "
-                 "per step with the profiler on", "time share of the training thread:"]
+                 "per step with the profiler on",
+                 "time share of the GPU (idle GPU time: 'data loading' if the CPU was loading, else 'other'):"
+                 if gpu else "time share of the training thread:"]
         lines += [f"  {k:<14} {100 * t['shares'][k]:5.1f} %" for k in CATEGORIES]
-        lines.append(f"  (gloo/background threads communicated during {100 * t['background_comm_share']:.1f} % "
-                     "of the step time, overlapping the above)")
-        for k, v in (t.get("gpu_shares") or {}).items():
-            lines.append(f"  GPU busy with {k}: {100 * v:.1f} % of the step time")
+        if gpu:
+            lines.append(f"  communication: NCCL busy {100 * gpu['communication busy']:.1f} %, of which "
+                         f"{100 * gpu['overlapped communication']:.1f} % hidden behind compute and "
+                         f"{100 * gpu['exposed communication']:.1f} % exposed (the GPU only waited)")
+        else:
+            lines.append(f"  (gloo/background threads communicated during {100 * t['background_comm_share']:.1f} % "
+                         "of the step time, overlapping the above)")
         lines.append(f"bottleneck: {self.bottleneck} ({100 * t['shares'][self.bottleneck]:.0f} % of step time)")
         lines.append("top ops by self time:")
         lines += [f"  {i:2d}. {o['name'][:44]:<44} {o['self_ms']:8.2f} ms {100 * o['share']:5.1f} %  "

@@ -18,7 +18,8 @@ from click.testing import CliRunner
 from labkit.cli import cli, main
 from labkit.grading import registry
 from labkit.grading.batch import GradeOptions, run_batch
-from labkit.grading.sandbox import Limits, isolation_prefix
+from labkit.grading.isolation import detect
+from labkit.grading.sandbox import Limits
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +80,7 @@ def test_execute_batch_gives_every_submission_its_status_and_reason(executed, tm
     assert "MemoryError" in rows["bomb"]["detail"] and "memory cap 1.5 GiB" in rows["bomb"]["detail"]
     assert "output cap" in rows["bigout"]["detail"]
     assert "cell 4 raised" in rows["network"]["detail"]
-    if isolation_prefix()[0]:
+    if detect().network_isolated:
         assert "no network" in rows["network"]["detail"]
     else:  # the fallback says so in every executed row
         assert "network NOT isolated" in rows["network"]["detail"]

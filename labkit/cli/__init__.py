@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "env": "env",
     "train": "train",
     "memory": "memory",
+    "fetch": "fetch",
     "notebooks": "notebooks",
     "launch": "launch",
     "plan": "plan",

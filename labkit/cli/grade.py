@@ -2,12 +2,14 @@
 
 Writes OUT_DIR/grades.csv (one row per submission), summary.csv, canvas.csv, gradescope/<notebook>.csv and
 feedback/<student>.html; exit code 0 whenever the gradebook was written, whatever the submissions held.
+With --execute it first prints the isolation executed notebooks get, and refuses (exit 2) where there is
+none unless --unsafe-no-isolation is given.
 """
 from __future__ import annotations
 
 import click
 
-from labkit.grading.batch import GradeOptions, run_batch
+from labkit.grading.batch import GradeOptions, isolation_for, run_batch
 from labkit.grading.evaluate import Grade
 from labkit.grading.registry import load_file
 from labkit.grading.sandbox import Limits
@@ -33,17 +35,26 @@ def _progress(row: Grade) -> None:
 @click.option("--checks", "checks_file", type=click.Path(), default=None,
               help="Python file with extra (e.g. private hidden) checks: CHECKS = {'01_memory': [...]}.")
 @click.option("--kernel", default="labkit", show_default=True, help="Jupyter kernel for --execute.")
+@click.option("--scratch-mib", type=float, default=512.0, show_default=True,
+              help="Size of each execution's private scratch tmpfs (--execute).")
+@click.option("--unsafe-no-isolation", is_flag=True,
+              help="Execute even where no file-system sandbox exists (student code gets the grader's access).")
 def command(submissions_dir, out_dir, notebook, execute, profile, timeout, workers, memory_gib, output_mib,
-            checks_file, kernel):
+            checks_file, kernel, scratch_mib, unsafe_no_isolation):
     """Grade SUBMISSIONS_DIR/<student>/<notebook>.ipynb on recorded results (or re-executed with --execute)."""
     get_profile(profile)  # an unknown profile is a ConfigError naming the valid ones
     if checks_file:
         click.echo(f"extra checks for: {', '.join(load_file(checks_file))}")
-    limits = Limits(timeout_s=timeout, memory_bytes=int(memory_gib * 2**30), output_bytes=int(output_mib * 2**20))
+    limits = Limits(timeout_s=timeout, memory_bytes=int(memory_gib * 2**30), output_bytes=int(output_mib * 2**20),
+                    scratch_bytes=int(scratch_mib * 2**20))
     opts = GradeOptions(execute=execute, notebook=notebook, profile=profile, kernel=kernel, workers=workers,
-                        limits=limits)
+                        limits=limits, private=(checks_file,) if checks_file else (),
+                        unsafe_no_isolation=unsafe_no_isolation)
+    if execute:
+        iso = isolation_for(opts)  # ConfigError (exit 2) when there is none and it was not accepted
+        click.echo(f"isolation: {iso.level} ({iso.detail})")
     result = run_batch(submissions_dir, out_dir, opts, progress=_progress)
     click.echo(format_table(result.summary))
     click.echo(f"wrote {result.out_dir / 'grades.csv'} ({len(result.rows)} rows), summary.csv, canvas.csv, "
-               f"gradescope/, feedback/")
+               f"received.csv, gradescope/, feedback/")
     return 0

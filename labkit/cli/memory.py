@@ -67,7 +67,9 @@ def _options(fn):
         click.option("--dp", type=int, help="Data-parallel degree (default 1)."),
         click.option("--tp", type=int, help="Tensor-parallel degree (default 1)."),
         click.option("--pp", type=int, help="Pipeline-parallel degree (default 1)."),
-        click.option("--gpus", type=int, help="Total GPUs; must equal dp*tp*pp."),
+        click.option("--cp", type=int, help="Context-parallel degree: GPUs a sequence is split over (default 1)."),
+        click.option("--ep", type=int, help="Expert-parallel degree for MoE models, divides dp (default 1)."),
+        click.option("--gpus", type=int, help="Total GPUs; must equal dp*tp*pp*cp."),
         click.option("--offload", type=choice(OFFLOADS), help="Default none."),
         click.option("--lora-rank", type=int, help="LoRA rank r (0 = full fine-tune)."),
         click.option("--lora-targets", default="q_proj,v_proj", show_default=True,
@@ -89,8 +91,11 @@ def _options(fn):
 def _command(source: str, doc: str):
     @_options
     def cmd(as_json: bool, **options) -> None:
+        from labkit.hub import NotCachedError
         try:
             result = run(source, config_from_options(**options))
+        except NotCachedError:
+            raise  # one line naming `labkit fetch ID` (labkit.cli.main), not a usage error
         except ConfigError as exc:
             raise click.UsageError(str(exc)) from exc  # exit code 2, message names the bad value
         if as_json:

@@ -21,14 +21,14 @@ from labkit.errors import ConfigError
 
 def run_plan(*, model: str, gpus: int, gpus_per_node: int, gpu: str, batch=None, seq=None, top: int = 10,
              dp=None, tp=None, pp=None, zero: int = 0, checkpointing: str = "full",
-             matmul_efficiency: float | None = None) -> dict:
+             matmul_efficiency: float | None = None, cp=None, ep=None) -> dict:
     """The pure core: the plan (or one checked layout) as JSON data."""
     req = planner.PlanRequest(model=model, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, batch=batch, seq=seq,
                               checkpointing=checkpointing, matmul_efficiency=matmul_efficiency)
-    if any(v is not None for v in (dp, tp, pp)):
-        dp, tp, pp = (v or 1 for v in (dp, tp, pp))
-        planner.check_layout(req, dp, tp, pp, zero)  # ConfigError names the reason
-        options = [planner.evaluate(req, dp, tp, pp, zero, b) for b in planner.MICRO_BATCH_SIZES
+    if any(v is not None for v in (dp, tp, pp, cp, ep)):
+        dp, tp, pp, cp, ep = (v or 1 for v in (dp, tp, pp, cp, ep))
+        planner.check_layout(req, dp, tp, pp, zero, cp=cp, ep=ep)  # ConfigError names the reason
+        options = [planner.evaluate(req, dp, tp, pp, zero, b, cp=cp, ep=ep) for b in planner.MICRO_BATCH_SIZES
                    if (req.batch // dp) % b == 0 and (req.batch // dp) // b >= pp]
         if not options:
             raise ConfigError(f"global batch {req.batch} leaves fewer than pp={pp} micro-batches per pipeline; "
@@ -65,13 +65,15 @@ def format_layout(data: dict) -> str:
 @click.option("--dp", type=int, default=None, help="check one layout instead of ranking all")
 @click.option("--tp", type=int, default=None)
 @click.option("--pp", type=int, default=None)
+@click.option("--cp", type=int, default=None, help="context-parallel degree (ring attention) with --dp/--tp/--pp")
+@click.option("--ep", type=int, default=None, help="expert-parallel degree (MoE models) with --dp/--tp/--pp")
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True, help="ZeRO stage with --dp/--tp/--pp")
 @click.option("--matmul-efficiency", type=click.FloatRange(0, 1, min_open=True), default=None,
               help="share of peak the GEMMs reach [the node's measurement, else the published-runs default]")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def command(as_json: bool, top: int, **options) -> None:
     """Enumerate and rank (dp, tp, pp, ZeRO stage, micro-batches) for MODEL on GPUS GPUs."""
-    if any(options[k] is not None for k in ("dp", "tp", "pp")):
+    if any(options[k] is not None for k in ("dp", "tp", "pp", "cp", "ep")):
         data = run_plan(top=top, **options)
         click.echo(json.dumps(data, indent=1) if as_json else format_layout(data))
         return

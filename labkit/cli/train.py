@@ -18,7 +18,7 @@ _RENAME = {"deadline_margin": "deadline_margin_s"}
 
 @click.command("train", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--strategy", required=True, help="single, ddp, fsdp, zero2, lora, pipeline-1f1b, ... (see labkit.parallel)")
-@click.option("--model", required=True, help="tiny-resnet, tiny-llama, resnet50, tinyllama-1.1b, ... or a local LLM folder")
+@click.option("--model", required=True, help="tiny-resnet, tiny-llama, resnet50, tinyllama-1.1b, ..., a local LLM folder or a cached HF id ORG/NAME")
 @click.option("--profile", default="smoke", show_default=True, help="smoke, a100x1, a100x4, h100x1, v100x4")
 @click.option("--nproc", type=int, default=1, show_default=True, help="ranks per node (> 1 runs under torchrun)")
 @click.option("--steps", type=int, default=None, help="optimizer steps [profile]")
@@ -38,7 +38,10 @@ _RENAME = {"deadline_margin": "deadline_margin_s"}
 @click.option("--compile", "compile_", is_flag=True, help="torch.compile the model")
 @click.option("--find-max-batch", is_flag=True, help="find the largest micro-batch that fits, then exit")
 @click.option("--memory-budget-mb", type=float, default=None, help="budget for --find-max-batch on CPU")
-@click.option("--data", default="synthetic", show_default=True, help="synthetic, tiny, or a local ImageFolder dir / text file")
+@click.option("--eval-at-start", is_flag=True, help="also evaluate the held-out batches before the first step")
+@click.option("--memory-cap-gb", type=float, default=None,
+              help="train as if the device had this many GB (CUDA allocator limit; CPU: tracked peak)")
+@click.option("--data", default="synthetic", show_default=True, help="synthetic, tiny, food11, dolly (labkit fetch), or a local ImageFolder dir / text file")
 @click.option("--nnodes", type=int, default=1, show_default=True, help="nodes (torchrun rendezvous)")
 @click.option("--node-rank", type=int, default=0, show_default=True)
 @click.option("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous when --nnodes > 1")
@@ -85,6 +88,8 @@ def format_batch_report(report: dict) -> str:
             " (over budget)" if budget and peak > budget else "")
         lines.append(f"  micro-batch {batch:>5}: {verdict}")
     lines.append(f"largest micro-batch that fits: {report['max_micro_batch']}")
+    if report.get("limit_reached"):
+        lines.append(f"  (every probe up to the limit {report['limit']} fit: the true maximum is larger)")
     return "\n".join(lines)
 
 

@@ -1,8 +1,10 @@
 """Grade a class: `SUBMISSIONS_DIR/<student>/<notebook>.ipynb` -> exactly one gradebook row per submission.
 
 Nothing a submission holds stops the batch: every failure becomes a row with a status (graded, error,
-timeout, invalid, tampered) and a reason. Submissions are graded in a thread pool (`workers`); with
-`execute` each one runs in its own sandboxed process (labkit.grading.sandbox), so threads only wait.
+timeout, invalid, tampered) and a reason. Every submission is first copied into a private workspace
+(labkit.grading.workspace) and graded from the copy. Submissions are graded in a thread pool (`workers`);
+with `execute` each one runs in its own sandboxed process (labkit.grading.sandbox) that cannot see the
+workspace, the other submissions, the output folder or private checks (labkit.grading.isolation).
 """
 from __future__ import annotations
 
@@ -14,12 +16,13 @@ from pathlib import Path
 from typing import Callable
 
 from labkit.errors import ConfigError, GradingError
-from labkit.grading import feedback, gradebook, sandbox, tamper
+from labkit.grading import feedback, gradebook, isolation, sandbox, tamper, workspace
 from labkit.grading.evaluate import (DEFAULT_MAX_BYTES, ERROR, INVALID, TAMPERED, TIMEOUT, Grade,
                                      SubmissionProblem, check_identity, grade_notebook, join_reasons,
                                      load_notebook)
 from labkit.grading.evidence import cell_number, collect, error_of
 from labkit.grading.gradebook import safe_name
+from labkit.grading.isolation import Isolation
 from labkit.grading.registry import checks_for
 
 
@@ -37,6 +40,10 @@ class GradeOptions:
     limits: sandbox.Limits = field(default_factory=sandbox.Limits)
     max_bytes: int = DEFAULT_MAX_BYTES
     """Largest submitted notebook that is read at all."""
+    private: tuple[str, ...] = ()
+    """More paths executed notebooks must not see (e.g. the --checks file); the batch's own are always hidden."""
+    unsafe_no_isolation: bool = False
+    """Execute even without file-system isolation (notebooks can then read and write what the grader can)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or self.workers < 1:
@@ -79,10 +86,28 @@ def _max_score(notebook: str) -> float:
         return 0.0
 
 
-def grade_submission(sub: Submission, opts: GradeOptions, out_dir: Path) -> Grade:
+@dataclass(frozen=True)
+class Sandboxing:
+    """How a batch executes: the isolation in use and the paths its notebooks must not see."""
+
+    isolation: Isolation
+    hidden: tuple[Path, ...] = ()
+
+
+def isolation_for(opts: GradeOptions) -> Isolation:
+    """The isolation `opts` executes under; ConfigError when there is none and the grader did not accept that."""
+    iso = isolation.detect(opts.limits.network)
+    if not iso.isolated and not opts.unsafe_no_isolation:
+        raise ConfigError(f"--execute needs a sandbox and this machine has none ({iso.detail}); install "
+                          "bubblewrap (`sudo apt-get install bubblewrap`), or pass --unsafe-no-isolation to let "
+                          "student code read and write everything the grader can")
+    return iso
+
+
+def grade_submission(sub: Submission, opts: GradeOptions, out_dir: Path, box: Sandboxing | None = None) -> Grade:
     """The row for one submission; never raises."""
     try:
-        return _grade(sub, opts, out_dir)
+        return _grade(sub, opts, out_dir, box)
     except SubmissionProblem as exc:
         return Grade(sub.student, sub.notebook, exc.status, 0.0, _max_score(sub.notebook), str(exc))
     except Exception as exc:  # noqa: BLE001 - the batch never dies; the row says what broke
@@ -90,7 +115,7 @@ def grade_submission(sub: Submission, opts: GradeOptions, out_dir: Path) -> Grad
                      f"grader error ({type(exc).__name__}: {str(exc)[:200]}); please report it")
 
 
-def _grade(sub: Submission, opts: GradeOptions, out_dir: Path) -> Grade:
+def _grade(sub: Submission, opts: GradeOptions, out_dir: Path, box: Sandboxing | None) -> Grade:
     if sub.path is None:
         what = f"{sub.notebook}.ipynb" if sub.notebook else "notebook (*.ipynb)"
         found = f" (it holds: {', '.join(sub.present[:5])})" if sub.present else ""
@@ -108,7 +133,7 @@ def _grade(sub: Submission, opts: GradeOptions, out_dir: Path) -> Grade:
     forged = tamper.problems(nb, seals_only=True)
     if forged:
         raise SubmissionProblem(TAMPERED, join_reasons(forged))
-    return _execute_and_grade(sub, opts, out_dir, checks)
+    return _execute_and_grade(sub, opts, out_dir, checks, box or Sandboxing(isolation_for(opts)))
 
 
 def _digests(nb) -> tuple[str, ...]:
@@ -116,14 +141,16 @@ def _digests(nb) -> tuple[str, ...]:
                  if isinstance(r.payload.get("fingerprint"), dict))
 
 
-def _execute_and_grade(sub: Submission, opts: GradeOptions, out_dir: Path, checks) -> Grade:
+def _execute_and_grade(sub: Submission, opts: GradeOptions, out_dir: Path, checks, box: Sandboxing) -> Grade:
     dst = out_dir / "executed" / safe_name(sub.student) / f"{safe_name(sub.notebook)}.ipynb"
     with tempfile.TemporaryDirectory(prefix="labkit-grade-") as work:
         run = sandbox.execute(sub.path, dst, workdir=work, kernel=opts.kernel,
-                              parameters={"PROFILE": opts.profile}, limits=opts.limits)
+                              parameters={"PROFILE": opts.profile}, limits=opts.limits,
+                              private=box.hidden + (out_dir,), isolation=box.isolation)
         _keep_log(Path(work) / "executor.log", out_dir / "logs" / f"{safe_name(sub.student)}__{dst.stem}.log")
     nb = _load_quietly(run.output, opts.limits.output_bytes)
-    note = "" if run.isolation.startswith("no network") else f" [{run.isolation}]"
+    iso = run.isolation
+    note = "" if iso.isolated and (iso.network_isolated or opts.limits.network) else f" [{iso.detail}]"
     if run.outcome == sandbox.OK:
         if nb is None:
             raise SubmissionProblem(ERROR, "papermill finished but the executed notebook is unreadable")
@@ -194,7 +221,7 @@ def _failure_reason(run: sandbox.Execution, nb, opts: GradeOptions) -> str:
         if ename == "MemoryError":
             reason += f" (memory cap {opts.limits.memory_bytes / 2**30:g} GiB)"
         elif any(h.lower() in f"{ename} {evalue}".lower() for h in _NETWORK_HINTS) and \
-                run.isolation.startswith("no network"):
+                run.isolation.network_isolated:
             reason += " (the grading sandbox has no network)"
         return reason
     return run.detail
@@ -217,12 +244,12 @@ def _mark_copies(rows: list[Grade]) -> list[Grade]:
 
 
 def grade_all(subs: list[Submission], opts: GradeOptions, out_dir: Path,
-              progress: Callable[[Grade], None] | None = None) -> list[Grade]:
+              progress: Callable[[Grade], None] | None = None, box: Sandboxing | None = None) -> list[Grade]:
     """Grade `subs` with `opts.workers` threads; rows in (student, notebook) order."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     with ThreadPoolExecutor(max_workers=opts.workers) as pool:
-        futures = [pool.submit(grade_submission, sub, opts, out_dir) for sub in subs]
+        futures = [pool.submit(grade_submission, sub, opts, out_dir, box) for sub in subs]
         for future in as_completed(futures):
             row = future.result()  # grade_submission never raises
             rows.append(row)
@@ -237,17 +264,47 @@ class BatchResult:
     rows: list[Grade]
     out_dir: Path
     summary: list[dict]
+    isolation: Isolation | None = None
+    """What executed notebooks ran under (None without --execute)."""
+
+
+def _grade_copies(subs: list[Submission], opts: GradeOptions, out_dir: Path, hidden: tuple[Path, ...],
+                  progress: Callable[[Grade], None] | None) -> list[Grade]:
+    """Copy every submission into a private workspace, grade the copies, note originals that changed."""
+    box = Sandboxing(isolation_for(opts), hidden) if opts.execute else None
+    received: dict[int, workspace.Received] = {}
+    with tempfile.TemporaryDirectory(prefix="labkit-ws-") as ws:  # mode 0700
+        for i, sub in enumerate(subs):
+            try:
+                if sub.path is not None:
+                    received[i] = workspace.take(sub.path, Path(ws), i, opts.max_bytes)
+            except OSError:
+                pass  # unreadable: graded from the original, which load_notebook reports
+        copies = [replace(s, path=received[i].copy) if i in received else s for i, s in enumerate(subs)]
+        box = box and replace(box, hidden=box.hidden + (Path(ws),))
+        rows = grade_all(copies, opts, out_dir, progress, box)
+    notes = {(subs[i].student, subs[i].notebook): (rec, workspace.changed(rec, opts.max_bytes))
+             for i, rec in received.items()}
+    workspace.write_received([(*key, *value) for key, value in sorted(notes.items())], out_dir / "received.csv")
+    out = []
+    for row in rows:
+        note = notes.get((row.student, row.notebook), (None, None))[1]
+        out.append(replace(row, detail=f"{row.detail}; {note}" if row.detail else note) if note else row)
+    return out
 
 
 def run_batch(submissions_dir: str | Path, out_dir: str | Path, opts: GradeOptions = GradeOptions(),
               progress: Callable[[Grade], None] | None = None) -> BatchResult:
-    """Grade every submission and write grades.csv, summary.csv, canvas.csv, gradescope/, feedback/."""
+    """Grade every submission and write grades.csv, summary.csv, canvas.csv, received.csv, gradescope/,
+    feedback/ (and with --execute executed/ and logs/)."""
     out_dir = Path(out_dir)
     subs = find_submissions(submissions_dir, opts.notebook)
-    rows = grade_all(subs, opts, out_dir, progress)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hidden = (Path(submissions_dir), out_dir, *map(Path, opts.private))
+    rows = _grade_copies(subs, opts, out_dir, hidden, progress)
     gradebook.write_grades(rows, out_dir / "grades.csv")
     gradebook.write_summary(rows, out_dir / "summary.csv")
     gradebook.write_canvas(rows, out_dir / "canvas.csv")
     gradebook.write_gradescope(rows, out_dir / "gradescope")
     feedback.write_feedback(rows, out_dir / "feedback", safe_name)
-    return BatchResult(rows, out_dir, gradebook.summary(rows))
+    return BatchResult(rows, out_dir, gradebook.summary(rows), isolation_for(opts) if opts.execute else None)

@@ -5,36 +5,46 @@ Limits, and how each is enforced:
   at `timeout_s + GRACE_S` (a notebook of many slow cells, a hung kernel start);
 - memory: RLIMIT_AS set in the executor before papermill starts, inherited by the kernel and anything it
   spawns (an allocation past the cap raises MemoryError in the student's cell);
-- files: RLIMIT_FSIZE (a runaway write is stopped), RLIMIT_CORE 0;
-- output: the executed notebook's size is polled while it runs and checked before it is ever read;
-- network: a new network namespace (`unshare --net`, loopback only, for the kernel's ZMQ sockets) and a
-  new PID namespace, so killing the executor kills every process the notebook started. Where `unshare`
-  is missing or not permitted, the run proceeds without isolation and the detail says so.
-Not isolated: the file system (the kernel runs as the grader's user in a scratch directory) and CPU
-count. Run `labkit grade --execute` as an unprivileged user: root can raise its own limits.
+- files: everything read-only but a size-capped scratch tmpfs, and the private paths not there at all
+  (labkit.grading.isolation); RLIMIT_FSIZE (a runaway write is stopped), RLIMIT_CORE 0;
+- output: the executed notebook's size is polled while it runs (in the executor) and the report's size
+  (in the grader), and checked before it is ever read;
+- network and processes: new network and PID namespaces, so killing the executor kills every process the
+  notebook started.
+The executor reads the submission on stdin and writes one report (a JSON line, then the executed notebook)
+to an inherited file descriptor: nothing the grader reads back lies in a directory the notebook can write.
+Run `labkit grade --execute` as an unprivileged user where possible: root can raise its own limits.
 """
 from __future__ import annotations
 
 import argparse
-import functools
+import errno
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from labkit.errors import ConfigError
+from labkit.grading import isolation as iso_mod
+from labkit.grading.isolation import Isolation, View
 
 OK, CELL_ERROR, KERNEL_DIED, TIMEOUT, OUTPUT_CAP, FAILED = (
     "ok", "cell_error", "kernel_died", "timeout", "output_cap", "failed")
 #: Seconds past the per-notebook timeout before the process tree is killed (kernel start, final save).
 GRACE_S = 10.0
 _POLL_S = 0.25
+#: Environment variables an executed notebook inherits from the grader (nothing else: no tokens, no paths
+#: into the grader's home).
+_ENV_KEEP = ("PATH", "LANG", "LANGUAGE", "TZ", "PYTHONPATH", "VIRTUAL_ENV", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+             "TORCH_EXTENSIONS_DIR", "CUDA_VISIBLE_DEVICES", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+_ENV_PREFIXES = ("LC_", "LABKIT_")
 
 
 @dataclass(frozen=True)
@@ -49,11 +59,13 @@ class Limits:
     """Largest executed notebook accepted (outputs included)."""
     file_bytes: int = 2**30
     """Largest file any sandboxed process may write (RLIMIT_FSIZE)."""
+    scratch_bytes: int = 512 * 2**20
+    """Size of the private scratch tmpfs (the only writable place; memory, not disk) and of /dev/shm."""
     network: bool = False
     """Allow network access (off: a new network namespace where the OS allows it)."""
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "memory_bytes", "output_bytes", "file_bytes"):
+        for name in ("timeout_s", "memory_bytes", "output_bytes", "file_bytes", "scratch_bytes"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"sandbox limit {name}={getattr(self, name)!r}; it must be > 0")
 
@@ -65,32 +77,8 @@ class Execution:
     outcome: str
     detail: str
     output: Path | None
-    isolation: str
+    isolation: Isolation
     info: dict[str, Any] = field(default_factory=dict)
-
-
-@functools.lru_cache(maxsize=1)
-def isolation_prefix() -> tuple[tuple[str, ...], str]:
-    """(command prefix, description): network+PID namespaces if this machine allows them, else ()."""
-    unshare, ip = shutil.which("unshare"), shutil.which("ip") or shutil.which("ip", path="/usr/sbin:/sbin")
-    if not unshare or not ip:
-        return (), "network NOT isolated (`unshare` or `ip` not found)"
-    base = (unshare, "--net", "--pid", "--fork", "--kill-child", "--mount-proc")
-    tail = ("sh", "-c", f'{ip} link set lo up && exec "$@"', "sh")
-    # Root can create the namespaces directly; anyone else needs a user namespace mapping them to root in it
-    # (which also keeps them from raising their resource limits).
-    candidates = ([base + tail] if os.geteuid() == 0 else []) + [base + ("--user", "--map-root-user") + tail]
-    why = "no message"
-    for prefix in candidates:
-        try:
-            probe = subprocess.run(prefix + ("true",), capture_output=True, timeout=20)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            why = str(exc)
-            continue
-        if probe.returncode == 0:
-            return prefix, "no network (new network namespace)"
-        why = (probe.stderr.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
-    return (), f"network NOT isolated (unshare failed: {why[:120]})"
 
 
 def _size(path: Path) -> int:
@@ -100,11 +88,11 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the executor and every descendant (kernels start their own sessions, so killpg alone misses them)."""
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every descendant (kernels start their own sessions, so killpg alone misses them)."""
     try:
         import psutil
-        children = psutil.Process(proc.pid).children(recursive=True)
+        children = psutil.Process(pid).children(recursive=True)
     except Exception:  # noqa: BLE001 - the process may already be gone
         children = []
     for p in children:
@@ -113,14 +101,13 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         except Exception:  # noqa: BLE001
             pass
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    proc.wait()
 
 
-def _watch(proc: subprocess.Popen, dst: Path, limits: Limits) -> str | None:
-    """Wait for the executor; kill it on the wall-clock limit or when the output passes its cap."""
+def _watch(proc: subprocess.Popen, report: Path, limits: Limits) -> str | None:
+    """Wait for the executor; kill it on the wall-clock limit or when its report passes the output cap."""
     deadline = time.monotonic() + limits.timeout_s + GRACE_S
     while True:
         try:
@@ -128,12 +115,14 @@ def _watch(proc: subprocess.Popen, dst: Path, limits: Limits) -> str | None:
             return None
         except subprocess.TimeoutExpired:
             pass
-        if time.monotonic() > deadline:
-            _kill_tree(proc)
-            return TIMEOUT
-        if _size(dst) > limits.output_bytes:
-            _kill_tree(proc)
-            return OUTPUT_CAP
+        if time.monotonic() > deadline or _size(report) > limits.output_bytes + 2**16:
+            _kill_tree(proc.pid)
+            proc.wait()
+            return TIMEOUT if time.monotonic() > deadline else OUTPUT_CAP
+
+
+def _cap_detail(output_bytes: int) -> str:
+    return f"the executed notebook grew past the {output_bytes / 2**20:.0f} MiB output cap; print less"
 
 
 def _tail(path: Path, n: int = 600) -> str:
@@ -145,51 +134,72 @@ def _tail(path: Path, n: int = 600) -> str:
         return ""
 
 
-def _read_result(path: Path) -> dict[str, Any] | None:
-    if not 0 < _size(path) < 2**16:
+def _read_report(path: Path, dst: Path, limits: Limits) -> dict[str, Any] | None:
+    """The executor's result; its executed notebook (if any) is written to `dst`."""
+    if not 0 < _size(path) <= limits.output_bytes + 2**16:
         return None
+    head, _, notebook = path.read_bytes().partition(b"\n")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        result = json.loads(head)
+    except ValueError:
         return None
-    return data if isinstance(data, dict) else None
+    if notebook:
+        dst.write_bytes(notebook)
+    return result if isinstance(result, dict) else None
+
+
+def scratch_env(scratch: Path, kernel: str = "labkit") -> dict[str, str]:
+    """The executed notebook's environment: the grader's kept variables, every home and cache in scratch."""
+    env = {k: v for k, v in os.environ.items() if k in _ENV_KEEP or k.startswith(_ENV_PREFIXES)}
+    dirs = {"HOME": "home", "TMPDIR": "tmp", "JUPYTER_RUNTIME_DIR": "runtime", "IPYTHONDIR": "ipython",
+            "MPLCONFIGDIR": "mpl", "XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config"}
+    env.update({k: str(scratch / d) for k, d in dirs.items()})
+    env["PYTHONPATH"] = iso_mod.labkit_path()  # executor and kernel import the grader's labkit
+    spec = iso_mod.kernel_spec_dir(kernel)
+    # Figures render as in Jupyter (a `figure_present` check must see them), whatever the grader's MPLBACKEND.
+    env.update({"PYDEVD_DISABLE_FILE_VALIDATION": "1", "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+                "PYTHONDONTWRITEBYTECODE": "1"})
+    if spec is not None:  # the kernel spec may live in the (hidden, replaced) home: name its data dir
+        env["JUPYTER_PATH"] = str(spec.parents[1])
+    return env
 
 
 def execute(src: str | os.PathLike, dst: str | os.PathLike, *, workdir: str | os.PathLike,
-            kernel: str = "labkit", parameters: dict[str, Any] | None = None,
-            limits: Limits = Limits()) -> Execution:
-    """Run `src` into `dst` under `limits`; never raises for anything the notebook does."""
+            kernel: str = "labkit", parameters: dict[str, Any] | None = None, limits: Limits = Limits(),
+            private: tuple[Path, ...] = (), isolation: Isolation | None = None) -> Execution:
+    """Run `src` into `dst` under `limits`, `private` paths hidden; never raises for anything the notebook does."""
     src, dst, workdir = Path(src).resolve(), Path(dst).resolve(), Path(workdir).resolve()
-    (workdir / "cwd").mkdir(parents=True, exist_ok=True)
+    iso = isolation or iso_mod.detect(limits.network)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    result_path, log_path = workdir / "result.json", workdir / "executor.log"
-    prefix, isolation = ((), "network allowed") if limits.network else isolation_prefix()
-    cmd = [*prefix, sys.executable, "-m", "labkit.grading.sandbox", str(src), str(dst), str(result_path),
-           "--kernel", kernel, "--timeout", str(limits.timeout_s), "--memory", str(limits.memory_bytes),
-           "--file-bytes", str(limits.file_bytes), "--parameters", json.dumps(parameters or {}),
-           "--cwd", str(workdir / "cwd")]
-    # Figures render as in Jupyter (a `figure_present` check must see them), whatever the grader's MPLBACKEND.
-    env = {**os.environ, "PYDEVD_DISABLE_FILE_VALIDATION": "1",
-           "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env, cwd=workdir)
-        killed = _watch(proc, dst, limits)
-    if killed == OUTPUT_CAP or _size(dst) > limits.output_bytes:
-        size = _size(dst)
-        dst.unlink(missing_ok=True)
-        return Execution(OUTPUT_CAP, f"the executed notebook grew past the {limits.output_bytes / 2**20:.0f} MiB "
-                         f"output cap ({size / 2**20:.0f} MiB when stopped); print less", None, isolation)
+    # Under bubblewrap a fresh tmpfs covers `workdir`, hiding the report and log kept there.
+    scratch = workdir if iso.level == iso_mod.BUBBLEWRAP else workdir / "scratch"
+    view = View(scratch, limits.scratch_bytes, private=tuple(private) + (src.parent,),
+                masked=iso_mod.default_masked(), needed=iso_mod.runtime_paths(kernel), network=limits.network)
+    report_path, log_path = workdir / "report", workdir / "executor.log"
+    argv = [sys.executable, "-m", "labkit.grading.sandbox", str(scratch), "--kernel", kernel,
+            "--timeout", str(limits.timeout_s), "--memory", str(limits.memory_bytes),
+            "--file-bytes", str(limits.file_bytes), "--output-bytes", str(limits.output_bytes),
+            "--scratch-bytes", str(limits.scratch_bytes), "--parameters", json.dumps(parameters or {})]
+    with log_path.open("wb") as log, report_path.open("wb") as report, src.open("rb") as stdin:
+        argv += ["--report-fd", str(report.fileno())]
+        proc = subprocess.Popen(iso_mod.command(iso, view, argv), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=stdin, pass_fds=(report.fileno(),), start_new_session=True,
+                                env=scratch_env(scratch, kernel), cwd=workdir)
+        killed = _watch(proc, report_path, limits)
+    if killed == OUTPUT_CAP:
+        return Execution(OUTPUT_CAP, _cap_detail(limits.output_bytes), None, iso)
+    result = _read_report(report_path, dst, limits) if killed is None else None
     output = dst if dst.exists() else None
     if killed == TIMEOUT:
         return Execution(TIMEOUT, f"still running after {limits.timeout_s:g} s (+{GRACE_S:g} s grace); killed",
-                         output, isolation)
-    result = _read_result(result_path)
+                         output, iso)
+    if result is None and proc.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL):
+        return Execution(FAILED, "the sandboxed executor was killed (SIGKILL) before it reported (by a process "
+                         "the notebook started, or by the Linux OOM killer)", output, iso)
     if result is None:
-        return Execution(FAILED, f"the executor died (exit code {proc.returncode}): "
-                         f"{_tail(log_path)[-300:] or 'no output'}", output, isolation)
-    return Execution(str(result.get("outcome", FAILED)), str(result.get("detail", ""))[:500], output,
-                     isolation, result)
+        return Execution(FAILED, f"the sandboxed executor died before reporting (exit code {proc.returncode}): "
+                         f"{_tail(log_path)[-300:] or 'no output'}", output, iso)
+    return Execution(str(result.get("outcome", FAILED)), str(result.get("detail", ""))[:500], output, iso, result)
 
 
 # ---------------------------------------------------------------- the executor (inside the sandbox)
@@ -200,14 +210,14 @@ def _apply_limits(memory_bytes: int, file_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def _run(args: argparse.Namespace) -> dict[str, Any]:
+def _run(args: argparse.Namespace, src: Path, dst: Path) -> dict[str, Any]:
     import papermill as pm
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
     from papermill.exceptions import PapermillExecutionError
 
     try:
-        pm.execute_notebook(args.src, args.dst, parameters=json.loads(args.parameters),
-                            kernel_name=args.kernel, progress_bar=False, cwd=args.cwd,
+        pm.execute_notebook(str(src), str(dst), parameters=json.loads(args.parameters),
+                            kernel_name=args.kernel, progress_bar=False, cwd=str(args.scratch / "cwd"),
                             execution_timeout=max(int(args.timeout), 1), start_timeout=60)
         return {"outcome": OK, "detail": "ran to the end"}
     except PapermillExecutionError as exc:
@@ -220,25 +230,74 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         return {"outcome": TIMEOUT, "detail": f"a cell ran past {args.timeout} s ({str(exc)[:150]})"}
     except MemoryError:
         return {"outcome": FAILED, "detail": "the executor ran out of memory (outputs too large?)"}
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        return {"outcome": FAILED, "detail": f"the scratch space is full ({args.scratch_bytes / 2**20:g} MiB "
+                "cap): the notebook wrote too much, so its executed copy could not be saved"}
+
+
+_REPORTED = threading.Lock()  # held by whichever reports first: the run or its guard
+
+
+def _report(args: argparse.Namespace, result: dict[str, Any], dst: Path) -> None:
+    """Write the one report: a JSON line, then the executed notebook when it is within the output cap."""
+    if not _REPORTED.acquire(blocking=False):
+        return
+    if _size(dst) > args.output_bytes:
+        result = {"outcome": OUTPUT_CAP, "detail": _cap_detail(args.output_bytes)}
+    notebook = dst.read_bytes() if result["outcome"] != OUTPUT_CAP and dst.exists() else b""
+    with os.fdopen(args.report_fd, "wb", closefd=False) as out:
+        out.write(json.dumps(result).encode() + b"\n" + notebook)
+
+
+def _guard(dst: Path, args: argparse.Namespace) -> None:
+    """Stop everything at the output cap or past the deadline, reporting what ran so far: the grader cannot
+    see the scratch tmpfs, so a notebook lost to its hard kill (at timeout + GRACE_S) would lose every cell."""
+    deadline = time.monotonic() + args.timeout + GRACE_S / 2
+    while _size(dst) <= args.output_bytes and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    _report(args, {"outcome": TIMEOUT, "detail": f"still running after {args.timeout:g} s"}, dst)
+    _kill_tree(os.getpid())  # the kernel and its children (killpg may end this process too: reported already)
+    os._exit(0)
+
+
+def _private_extensions(scratch: Path) -> None:
+    """DeepSpeed JIT-loads its C++ ops from TORCH_EXTENSIONS_DIR and takes a lock file there even when they are
+    built, so each execution gets a private copy (~20 MB): the original is read-only in the sandbox, and a
+    shared writable cache would let one notebook plant code in the next one's ops."""
+    src = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if src and Path(src).is_dir():
+        dst = scratch / "torch_extensions"
+        shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(dst)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labkit.grading.sandbox")
-    for name in ("src", "dst", "result"):
-        parser.add_argument(name)
+    parser.add_argument("scratch", type=Path)
+    parser.add_argument("--report-fd", type=int, required=True)
     parser.add_argument("--kernel", default="labkit")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--memory", type=int, default=Limits.memory_bytes)
     parser.add_argument("--file-bytes", type=int, default=Limits.file_bytes)
+    parser.add_argument("--output-bytes", type=int, default=Limits.output_bytes)
+    parser.add_argument("--scratch-bytes", type=int, default=Limits.scratch_bytes)
     parser.add_argument("--parameters", default="{}")
-    parser.add_argument("--cwd", default=None)
     args = parser.parse_args(argv)
+    os.set_inheritable(args.report_fd, False)  # the kernel gets no handle on the report
     _apply_limits(args.memory, args.file_bytes)
+    for name in ("cwd", "home", "tmp", "runtime", "ipython", "mpl", "cache", "config"):
+        (args.scratch / name).mkdir(parents=True, exist_ok=True)
+    src, dst = args.scratch / "submission.ipynb", args.scratch / "executed.ipynb"
+    src.write_bytes(sys.stdin.buffer.read())
+    _private_extensions(args.scratch)
+    threading.Thread(target=_guard, args=(dst, args), daemon=True).start()
     try:
-        result = _run(args)
+        result = _run(args, src, dst)
     except BaseException as exc:  # noqa: BLE001 - report whatever stopped papermill
         result = {"outcome": FAILED, "detail": f"papermill failed: {type(exc).__name__}: {str(exc)[:300]}"}
-    Path(args.result).write_text(json.dumps(result))
+    _report(args, result, dst)
     return 0
 
 

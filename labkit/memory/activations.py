@@ -85,6 +85,10 @@ def llama_layer(arch: dict, st: Step) -> Layer:
         attn = 3 * e * t * a * hd + (e * t * a * hd if _saves(st, "o_proj") else 0)
         core = st.micro_batch * a * st.seq**2 * (FP32 + (e if e != FP32 else 0))
     mlp = 3 * e * t * inter + (e * t * inter if _saves(st, "down_proj") else 0)  # gate, silu, up, gate*up
+    if arch.get("experts"):  # MoE (Mixtral): each token's k expert copies keep their input, the SwiGLU
+        # four and the weighted output; router logits, probabilities, top-k scores in fp32 (checked
+        # against a real step, labkit.memory.measure; fake tensors cannot route)
+        mlp = arch["top_k"] * e * t * (4 * inter + 2 * h) + 3 * FP32 * t * arch["experts"]
     lora = len(st.lora_targets) * e * t * st.lora_rank  # lora_A output, kept by lora_B
     return Layer(replicated=norm, sharded=attn + mlp + lora, core=core)
 

@@ -22,6 +22,10 @@ activations — never their maximum. Accounting conventions (stated here and in 
 - LoRA (Hu et al. 2022) trains r*(d_in + d_out) parameters per targeted linear; the frozen base
   needs no gradients, optimizer states or master copy.
 - Offload follows ZeRO-Offload (Ren et al. 2021) / ZeRO-Infinity (Rajbhandari et al. 2021).
+- Context parallelism (cp, ring attention) splits every sequence over cp GPUs: activations are those
+  of seq/cp tokens plus the K/V blocks received from the other cp - 1 ranks, kept for backward.
+  Expert parallelism (ep, GShard) splits the experts of an MoE model over ep of the dp ranks: expert
+  weights, gradients and optimizer states / ep (ZeRO already shards them over N_d when it applies).
 Introduced in notebook 01_memory.
 """
 from __future__ import annotations
@@ -58,15 +62,16 @@ def _positive(name: str, value, *, allow_none: bool = False) -> None:
         raise ConfigError(f"{name}={value!r}; it must be a positive integer")
 
 
-def check_topology(dp: int, tp: int, pp: int, gpus: int) -> None:
-    """Raise ConfigError unless dp * tp * pp == gpus, naming the product (torchtitan ParallelDims)."""
-    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("gpus", gpus)):
+def check_topology(dp: int, tp: int, pp: int, gpus: int, cp: int = 1) -> None:
+    """Raise ConfigError unless dp * tp * pp (* cp) == gpus, naming the product (torchtitan ParallelDims)."""
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("gpus", gpus), ("cp", cp)):
         _positive(name, value)
-    product = dp * tp * pp
+    product, model = dp * tp * pp * cp, tp * pp * cp
     if product != gpus:
-        hint = (f"; e.g. dp={gpus // (tp * pp)} with tp={tp}, pp={pp}" if gpus % (tp * pp) == 0
-                else f"; tp*pp={tp * pp} does not divide {gpus}")
-        raise ConfigError(f"tp({tp}) * pp({pp}) * dp({dp}) = {product} != gpus({gpus}): "
+        cp_text = f" * cp({cp})" if cp > 1 else ""
+        hint = (f"; e.g. dp={gpus // model} with tp={tp}, pp={pp}" + (f", cp={cp}" if cp > 1 else "")
+                if gpus % model == 0 else f"; tp*pp{'*cp' if cp > 1 else ''}={model} does not divide {gpus}")
+        raise ConfigError(f"tp({tp}) * pp({pp}){cp_text} * dp({dp}) = {product} != gpus({gpus}): "
                           f"the degrees must multiply to the GPU count{hint}")
 
 
@@ -90,7 +95,11 @@ class MemoryConfig:
     tp: int = 1
     pp: int = 1
     gpus: int | None = None
-    """If given, must equal dp * tp * pp."""
+    """If given, must equal dp * tp * pp * cp."""
+    cp: int = 1
+    """Context-parallel degree: GPUs one sequence is split over (ring attention)."""
+    ep: int = 1
+    """Expert-parallel degree (MoE models): dp ranks the experts are split over; divides dp."""
     offload: str = "none"
     """none, optimizer (ZeRO-Offload, needs zero >= 1) or optimizer+params (ZeRO-Infinity, zero 3)."""
     lora_rank: int = 0
@@ -124,12 +133,15 @@ class MemoryConfig:
                 raise choices_error(name, getattr(self, name), valid)
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise choices_error("zero stage", self.zero, ("0", "1", "2", "3"))
-        for name in ("dp", "tp", "pp", "grad_accum"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "grad_accum"):
             _positive(name, getattr(self, name))
         for name in ("gpus", "batch", "seq"):
             _positive(name, getattr(self, name), allow_none=True)
         if self.gpus is not None:
-            check_topology(self.dp, self.tp, self.pp, self.gpus)
+            check_topology(self.dp, self.tp, self.pp, self.gpus, self.cp)
+        if self.dp % self.ep:
+            raise ConfigError(f"ep={self.ep} must divide dp={self.dp}: the experts are split over data-parallel "
+                              f"ranks; use an ep that divides {self.dp}, or raise dp")
         self._check_sharding()
         self._check_lora()
         if self.batch is not None and self.batch % self.grad_accum:
@@ -298,9 +310,15 @@ def _shard(parts: dict, spec: ModelSpec, cfg: MemoryConfig, trainable: int, note
     if share != 1.0:
         notes.append(f"tp={cfg.tp} x pp={cfg.pp}: this GPU holds {share:.4f} of the weights (busiest stage)")
     nd = cfg.zero_group or cfg.dp
+    experts = _expert_fraction(spec, cfg, notes)
     for key, stage in (("optimizer", 1), ("grads", 2), ("weights", 3)):
         divisor = nd if cfg.zero >= stage else 1
-        parts[key] = math.ceil(parts[key] * share / divisor)
+        if key == "weights":  # expert weights stay at the compute width (not nn.Linear: never quantized)
+            frac = spec.expert_params * PRECISIONS[cfg.precision][0] / parts[key] if experts else 0.0
+        else:  # LoRA: experts frozen, no gradients or states
+            frac = 0.0 if cfg.lora_rank else experts
+        # dense part / ZeRO's N_d; expert part / ep, or / N_d when ZeRO shards it over all dp ranks anyway
+        parts[key] = math.ceil(parts[key] * share * ((1 - frac) / divisor + frac / max(divisor, cfg.ep)))
     if cfg.zero:
         notes.append(f"ZeRO-{cfg.zero} over N_d={nd} ranks" +
                      (f" (hybrid: replicated over {cfg.dp // nd} groups)" if nd != cfg.dp else ""))
@@ -320,6 +338,16 @@ def _shard(parts: dict, spec: ModelSpec, cfg: MemoryConfig, trainable: int, note
     return cpu
 
 
+def _expert_fraction(spec: ModelSpec, cfg: MemoryConfig, notes: list) -> float:
+    """Share of the parameters that are MoE experts (what ep splits); ConfigError for ep on a dense model."""
+    if cfg.ep > 1 and not spec.expert_params:
+        raise ConfigError(f"ep={cfg.ep} splits mixture-of-experts experts; {spec.name!r} has none: "
+                          "use ep=1, or an MoE model such as tiny-moe")
+    if cfg.ep > 1:
+        notes.append(f"ep={cfg.ep}: each GPU holds 1/{cfg.ep} of the experts ({spec.expert_params:,} parameters)")
+    return spec.expert_params / spec.params if spec.expert_params else 0.0  # of the trainable parameters
+
+
 def _activations(spec: ModelSpec, cfg: MemoryConfig, notes: list) -> int:
     if cfg.batch is None:
         notes.append("no batch given: activations 0 (model states only)")
@@ -336,6 +364,14 @@ def _activations(spec: ModelSpec, cfg: MemoryConfig, notes: list) -> int:
         notes.append(f"micro-batch {micro} images of {spec.arch['image_size']}px, {e} B activations")
         return act.resnet_bytes(spec.arch, micro, e)
     seq = cfg.seq or min(spec.arch["max_seq"], DEFAULT_SEQ)
+    if seq % cfg.cp:
+        raise ConfigError(f"seq={seq} does not split into cp={cfg.cp} equal chunks; use a multiple of {cfg.cp}")
+    ring = 0
+    if cfg.cp > 1:  # this GPU's seq/cp tokens, plus the other chunks' K/V kept for backward
+        seq //= cfg.cp
+        a = spec.arch
+        ring = (cfg.cp - 1) * 2 * micro * seq * a["kv_heads"] * a["head_dim"] * e * math.ceil(a["layers"] / cfg.pp)
+        notes.append(f"cp={cfg.cp}: {seq} tokens of each sequence per GPU + {ring:,} B of ring K/V blocks")
     step = act.Step(micro_batch=micro, seq=seq, act_bytes=e, checkpointing=cfg.checkpointing,
                     flash=cfg.flash_attention, tp=cfg.tp, sp=cfg.sequence_parallel and cfg.tp > 1,
                     pp=cfg.pp, n_micro=cfg.grad_accum,
@@ -343,7 +379,7 @@ def _activations(spec: ModelSpec, cfg: MemoryConfig, notes: list) -> int:
     notes.append(f"micro-batch {micro} x seq {seq}, {e} B activations, checkpointing {cfg.checkpointing}, "
                  f"{'flash/SDPA' if cfg.flash_attention else 'eager'} attention"
                  + (", 1F1B pipeline: busiest stage" if cfg.pp > 1 else ""))
-    return act.transformer_bytes(spec.arch, step, gpt=spec.kind == "gpt")
+    return act.transformer_bytes(spec.arch, step, gpt=spec.kind == "gpt") + ring
 
 
 def lora_targets(spec: ModelSpec, cfg: MemoryConfig) -> tuple:

@@ -35,24 +35,52 @@ def _check_ram(cfg: MemoryConfig) -> None:
                           "or a smaller model such as tiny-llama")
 
 
+class CudaPeak:
+    """The CUDA caching allocator's peak over one step, counted from the moment the model is built
+    and cast (`built()`), so a transient copy made while building is not in it; the bytes allocated
+    before the build (`start()`) are not counted either. Unverified on hardware here: tested on CPU
+    with stand-ins for the torch.cuda calls (documented semantics: reset_peak_memory_stats restarts
+    max_memory_allocated from the current allocation)."""
+
+    def __init__(self, device: str):
+        self.device, self.base = device, 0
+
+    def start(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
+
+    def built(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def total(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - self.base
+
+
 def measure(cfg: MemoryConfig, *, device: str | None = None) -> Estimate:
-    """One real forward/backward/optimizer step of `cfg` on `device` (default: CUDA if present)."""
+    """One real forward/backward/optimizer step of `cfg` on `device` (default: CUDA if present).
+    The device's memory is handed back at the end (garbage collected, CUDA cache emptied)."""
+    from labkit.train.metrics import free_device_memory
+
     device = device or default_device()
     check_traceable(cfg)
     if device == "cpu":
         _check_ram(cfg)
     start = time.perf_counter()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    with _quiet():
-        current, peaks, n, trainable = run_step(cfg, device=device)
-    notes = [f"measured one real step of {cfg.model} on {device} in {time.perf_counter() - start:.1f} s"]
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-        peaks["Total"] = torch.cuda.max_memory_allocated(device) - base
-        notes.append("total = CUDA allocator peak (max_memory_allocated); parts from MemTracker")
-    else:
-        notes.append("total = MemTracker peak of live tensors (the CUDA counters read 0 on CPU)")
+    peak = CudaPeak(device) if device.startswith("cuda") else None
+    if peak is not None:
+        peak.start()
+    try:
+        with _quiet():
+            current, peaks, n, trainable = run_step(cfg, device=device, on_built=peak.built if peak else None)
+        notes = [f"measured one real step of {cfg.model} on {device} in {time.perf_counter() - start:.1f} s"]
+        if peak is not None:
+            peaks["Total"] = peak.total()
+            notes.append("total = CUDA allocator peak (max_memory_allocated) from the built, cast model on; "
+                         "parts from MemTracker")
+        else:
+            notes.append("total = MemTracker peak of live tensors (the CUDA counters read 0 on CPU)")
+    finally:
+        free_device_memory(device)
     return to_estimate(cfg, current, peaks, n, trainable, "measure", notes)

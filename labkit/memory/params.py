@@ -51,6 +51,8 @@ class ModelSpec:
     linears: tuple[Linear, ...] = ()
     arch: dict = field(default_factory=dict)
     """Architecture numbers for the activation formulas (hidden_size, heads, vocab, ...)."""
+    expert_params: int = 0
+    """Parameters of all mixture-of-experts experts (0 for a dense model): what expert parallelism splits."""
 
     @property
     def largest_layer(self) -> int:
@@ -69,15 +71,22 @@ def llama_spec(name: str, cfg: dict) -> ModelSpec:
                Linear("v_proj", h, kv * hd, layers), Linear("o_proj", heads * hd, h, layers),
                Linear("gate_proj", h, inter, layers), Linear("up_proj", h, inter, layers),
                Linear("down_proj", inter, h, layers))  # count = one per layer
+    experts = cfg.get("num_local_experts", 0)
+    if experts:  # Mixtral: E SwiGLU experts of width `inter` (stacked 3-D weights) + a router (E x h)
+        linears = linears[:4]  # the experts are not nn.Linear modules (no LoRA / bnb targets)
     block = sum(lin.fan_in * lin.fan_out for lin in linears) + 2 * h  # + two RMSNorm weights
+    block += experts * (3 * h * inter + h)
     embed = vocab * h
     head = h + (0 if cfg.get("tie_word_embeddings") else vocab * h)  # final norm (+ lm_head)
     arch = dict(hidden=h, intermediate=inter, layers=layers, heads=heads, kv_heads=kv, head_dim=hd,
                 vocab=vocab, max_seq=cfg.get("max_position_embeddings", 2048),
                 tied=bool(cfg.get("tie_word_embeddings")))
+    if experts:
+        arch.update(experts=experts, top_k=cfg.get("num_experts_per_tok", 2))
     # buffers: the rotary inv_freq and original_inv_freq (head_dim / 2 each)
     return ModelSpec(name, "llm", embed + layers * block + head, buffers=hd, embed=embed, block=block,
-                     num_blocks=layers, head=head, linears=linears, arch=arch)
+                     num_blocks=layers, head=head, linears=linears, arch=arch,
+                     expert_params=layers * experts * 3 * h * inter)
 
 
 def gpt_spec(name: str, cfg: dict) -> ModelSpec:
@@ -170,9 +179,12 @@ def model_spec(model: str) -> ModelSpec:
     if model in presets.VISION_PRESETS:
         return resnet_spec(model, dict(presets.VISION_PRESETS[model]))
     path = Path(model)
+    from labkit import hub
+    if hub.is_hub_id(model):  # config.json only, from the HF cache (labkit.hub): no weights are read
+        return config_spec(hub.resolve(model, weights=False))
     if path.suffix == ".json" or (path / "config.json").is_file():
         if not (path.is_file() or (path / "config.json").is_file()):
             raise ConfigError(f"config file {model!r} does not exist; give a preset or an existing config.json")
         return config_spec(path)
     raise ConfigError(f"unknown model {model!r}; valid models are: {', '.join(presets.ALL_MODELS)}, "
-                      "or the path of a Hugging Face config.json")
+                      "the path of a Hugging Face config.json, or a Hugging Face id ORG/NAME")

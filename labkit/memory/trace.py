@@ -74,7 +74,7 @@ def check_traceable(cfg: MemoryConfig) -> None:
     if spec.kind not in ("llm", "vision") or cfg.model is None:
         raise ConfigError(f"cannot build {spec.name!r} as a torch model: trace/measure run Llama presets, "
                           "ResNet presets or a Llama config.json (use `estimate` for the others)")
-    problems = [f"{k}={getattr(cfg, k)}" for k in ("dp", "tp", "pp") if getattr(cfg, k) != 1]
+    problems = [f"{k}={getattr(cfg, k)}" for k in ("dp", "tp", "pp", "cp", "ep") if getattr(cfg, k) != 1]
     problems += [f"{k}={getattr(cfg, k)!r}" for k, ok in (("offload", "none"), ("quant", "none"))
                  if getattr(cfg, k) != ok]
     if cfg.zero and cfg.dp > 1:
@@ -100,11 +100,16 @@ def build(cfg: MemoryConfig, *, device: str = "cpu", fake_mode=None):
     spec = spec_of(cfg)
     dtype = _DTYPES[cfg.precision]
     batch = (cfg.batch or 1) // cfg.grad_accum
-    with torch.device("meta" if fake_mode is not None else device):
+    # Built in host memory (fp32 init), cast there, then moved: the device never holds the transient
+    # fp32 copy of a bf16/fp16 model (7B: 28 GB), which would both inflate a measured peak and OOM
+    # under a memory cap before the step starts.
+    with torch.device("meta" if fake_mode is not None else "cpu"):
         model = _build_model(cfg.model).to(dtype)
         model.train()
         if spec.kind == "llm":
             model = _prepare_llm(model, cfg, spec)
+    if fake_mode is None and torch.device(device).type != "cpu":
+        model.to(device)
     inputs = fake_mode if fake_mode is not None else contextlib.nullcontext()
     with inputs:
         if fake_mode is not None:
@@ -129,8 +134,11 @@ def _build_model(name: str):
         return build_model(name)
     from transformers import AutoModelForCausalLM
 
+    from labkit import hub
+
     folder = Path(name).parent if Path(name).is_file() else Path(name)
-    return AutoModelForCausalLM.from_config(llm_config(str(folder)))
+    # a HF id: llm_config reads the cached config.json (labkit.hub); weights are never loaded here
+    return AutoModelForCausalLM.from_config(llm_config(name if hub.is_hub_id(name) else str(folder)))
 
 
 def _prepare_llm(model, cfg: MemoryConfig, spec):
@@ -176,11 +184,17 @@ def _loss(model, x, y, kind: str):
     return model(input_ids=x, labels=y).loss  # drop the logits: only the loss's graph stays alive
 
 
-def run_step(cfg: MemoryConfig, *, device: str = "cpu", fake_mode=None, tracker_cls=None) -> tuple[dict, dict, int, int]:
+def run_step(cfg: MemoryConfig, *, device: str = "cpu", fake_mode=None, tracker_cls=None,
+             on_built=None) -> tuple[dict, dict, int, int]:
     """Build and run one forward/backward/step under a MemTracker.
 
-    Returns (bytes by category after the step, category peaks, parameter count, trainable count)."""
+    `on_built()` is called once the model is built, cast to its training dtype and on `device`, and
+    before anything of the step exists (master copies, optimizer, activations): `measure` resets the
+    CUDA allocator's peak there. Returns (bytes by category after the step, category peaks,
+    parameter count, trainable count)."""
     model, trainable, x, y = build(cfg, device=device, fake_mode=fake_mode)
+    if on_built is not None:
+        on_built()
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         master = cfg.precision.startswith("mixed")
         masters = [p.detach().float() for p in trainable] if master else []
@@ -246,6 +260,9 @@ def trace(cfg: MemoryConfig) -> Estimate:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     check_traceable(cfg)
+    if spec_of(cfg).expert_params:
+        raise ConfigError(f"{cfg.model} routes tokens to experts by value (data-dependent shapes), which "
+                          "fake tensors cannot run; measure one real step instead: `labkit memory measure`")
     start = time.perf_counter()
     with _quiet():
         current, peaks, n, trainable = run_step(cfg, fake_mode=FakeTensorMode())

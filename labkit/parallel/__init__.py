@@ -82,6 +82,8 @@ STRATEGIES = MappingProxyType({
     **{n: ("pipeline_virtual", "beyond 3-D") for n in ("pipeline-interleaved", "pipeline-zero-bubble")},
     **{n: ("tensor", "model-parallel") for n in ("tensor", "tensor-fsdp")},
     **{n: ("stack", "profiling and stacking") for n in ("fsdp-qlora", "fsdp-qlora-offload")},
+    "context-parallel": ("context", "beyond 3-D"),
+    "expert-parallel": ("expert", "beyond 3-D"),
 })
 
 _LAZY = {"Strategy", "DistContext", "ResidentBytes"}

@@ -241,7 +241,8 @@ class FSDPStrategy(Strategy):
         self.units = unit_sizes(model, units)
         apply_fsdp(model, self.mesh, cfg=self.cfg, plan=self.plan)
         shards_on = torch.device("cpu") if self.plan.offload else self.ctx.device
-        loading.load_sharded_from_rank0(model, full, group=self.ctx.group, device=shards_on)
+        loading.load_sharded_from_rank0(model, full, group=self.ctx.group, device=shards_on,
+                                        buffers_on=self.ctx.device)  # buffers: on the compute device
         del full
         # Registered after fully_shard, so it runs after FSDP's own post-forward (reshard) hook: it
         # sees what a rank holds between forward and backward (all unsharded params for grad-op).

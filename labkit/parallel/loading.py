@@ -12,7 +12,8 @@ RAM for TinyLlama-1.1B in fp32 before a single shard exists. The pattern acceler
    b) replicated (DDP / ZeRO-1/2): meta tensors are allocated empty, then every parameter and buffer
       is broadcast from rank 0 (FSDP1's `sync_module_states=True`).
 Non-persistent buffers (Llama's rotary `inv_freq`) are not in any state dict, so they are always
-broadcast from rank 0 explicitly. Introduced in notebook 04_fsdp.
+broadcast from rank 0 explicitly, on the compute device also under CPU offload (the broadcast of an
+NCCL group moves CUDA tensors only). Introduced in notebook 04_fsdp.
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def build_on_rank0(name: str, rank: int, *, seed: int = 0) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):  # shapes only: no bytes are allocated for the weights
-        return AutoModelForCausalLM.from_config(llm_config(name))
+        # fp32 like rank 0's build_llm: transformers 5 would take a checkpoint config's saved dtype (fp16)
+        return AutoModelForCausalLM.from_config(llm_config(name), dtype=torch.float32)
 
 
 def materialize(model: nn.Module, device: torch.device) -> nn.Module:
@@ -81,17 +83,34 @@ def full_state_on_rank0(model: nn.Module, rank: int) -> dict:
     return {k: v for k, v in model.state_dict().items()} if rank == 0 else {}
 
 
-def load_sharded_from_rank0(model: nn.Module, full_state: dict, *, group, device: torch.device) -> nn.Module:
+def place_buffers(model: nn.Module, device: torch.device) -> nn.Module:
+    """Move every buffer (persistent or not) to `device`, leaving the parameters where they are."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+    return model
+
+
+def load_sharded_from_rank0(model: nn.Module, full_state: dict, *, group, device: torch.device,
+                            buffers_on: torch.device | None = None) -> nn.Module:
     """Sharded start (FSDP2): fill an already `fully_shard`-ed model from rank 0's full state dict.
 
     Every rank calls this after `fully_shard`; ranks > 0 pass `full_state={}`. Each tensor is
     broadcast once from rank 0 and each rank copies out only its own shard (DTensor placement), so
     no rank but 0 ever holds a full tensor of the model for longer than one broadcast.
+
+    `device`: where the parameter shards live (the host under CPU offload); `buffers_on` (default
+    `device`): where the buffers live -- the compute device, as `fully_shard` put rank 0's. Under
+    CPU offload on GPUs the two differ: `to_empty(cpu)` would leave the meta ranks' buffers (rotary
+    `inv_freq`) on the host, the forward would mix devices, and their broadcast over an NCCL group
+    (which moves CUDA tensors only) would fail. Unverified on hardware here: tested on CPU ranks.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    if has_meta(model):  # `device`: where the shards live (the host under CPU offload)
+    if has_meta(model):
         model.to_empty(device=device)
+    place_buffers(model, buffers_on or device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full_state, options=options)
     broadcast_buffers(model, group)

@@ -65,6 +65,12 @@ class LoraSettings:
                    targets=cfg.lora_targets)
 
 
+def frozen_base_dtype(amp: str | None) -> torch.dtype:
+    """dtype of a frozen LoRA base: the 16-bit compute dtype under bf16/fp16 AMP, else fp32. Nothing
+    trains it, so no fp32 master copy is needed; peft keeps the adapters themselves in fp32."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp or "none", torch.float32)
+
+
 def parse_targets(targets) -> str | tuple[str, ...]:
     """'q,v' -> ('q_proj', 'v_proj'); 'all-linear' (or 'all') -> 'all-linear'."""
     names = targets.split(",") if isinstance(targets, str) else list(targets)
@@ -284,7 +290,11 @@ class LoraStrategy(Strategy):
                               "parameters; use --optimizer adamw with --lora-parallel fsdp, or --lora-parallel ddp")
 
     def build_model(self) -> nn.Module:
-        base = super().build_model()
+        from labkit.models import build_model
+        # The frozen base in the run's 16-bit compute dtype (what the estimator counts: 2 B/param under
+        # bf16), not fp32 -- and never in whatever dtype a checkpoint happened to be saved in.
+        dtype = frozen_base_dtype(self.cfg.amp)
+        base = build_model(self.cfg.model, seed=self.cfg.seed, dtype=dtype).to(self.ctx.device)
         # A's random init (B = 0) from the run's seed, whatever building the base drew from the RNG
         torch.manual_seed(self.cfg.seed)
         # .train(): a checkpoint folder comes back from from_pretrained in eval mode
@@ -391,8 +401,10 @@ class QLoraStrategy(LoraStrategy):
     def base_checkpoint(self) -> Path:
         """The folder `from_pretrained` loads: the checkpoint itself, or (smoke) the seeded preset saved
         once to OUT/base/<model>-seed<seed>, like a downloaded checkpoint. Rank 0 writes it."""
-        if Path(self.cfg.model, "config.json").is_file():
-            return Path(self.cfg.model)
+        from labkit.models import checkpoint_dir
+        folder = checkpoint_dir(self.cfg.model)  # a local checkpoint or a cached HF id
+        if folder is not None:
+            return folder
         path = Path(self.cfg.out) / "base" / f"{self.cfg.model}-seed{self.cfg.seed}"
         if self.ctx.is_main and not (path / "config.json").is_file():
             from labkit.models import save_llm

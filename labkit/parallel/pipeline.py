@@ -21,7 +21,6 @@ Introduced in notebook 07_model_parallel.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 from torch import nn
@@ -124,13 +123,19 @@ class ScheduleTrace:
     """Records which micro-batch the stage computes when: (kind 'F'/'B', micro-batch, t0, t1).
 
     Wraps the stage's `forward_one_chunk` / `backward_one_chunk`, which every schedule calls; times
-    are `time.perf_counter()` (one monotonic clock for all processes of a machine).
+    are seconds of `time.perf_counter()` (one monotonic clock for all processes of a machine). On a
+    GPU the chunk boundaries are CUDA events read at the end of each schedule run
+    (`labkit.train.timing.WorkClock`): perf_counter alone would time the kernel launches.
     """
 
-    def __init__(self, pipe_stage):
+    def __init__(self, pipe_stage, clock=None):
+        from labkit.train.timing import WorkClock
+
         self.steps: list[list[tuple]] = []
         self.recording = False  # off in evaluation (whose schedules call backward_one_chunk as a no-op)
         self.submod = pipe_stage.submod
+        self.clock = clock or WorkClock(getattr(pipe_stage, "device", "cpu"))
+        self._pending: list[tuple] = []
         for kind, attr in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
             setattr(pipe_stage, attr, self._timed(kind, getattr(pipe_stage, attr)))
 
@@ -138,20 +143,24 @@ class ScheduleTrace:
         def run(chunk_id, *args, **kwargs):
             if kind == "F":
                 _let_memory_tracker_see(self.submod)
-            t0 = time.perf_counter()
+            token = self.clock.start()
             out = fn(chunk_id, *args, **kwargs)
             if self.recording:
-                self.steps[-1].append((kind, int(chunk_id), t0, time.perf_counter()))
+                self._pending.append((kind, int(chunk_id), self.clock.stop(token)))
             return out
         return run
 
     def begin_step(self) -> None:
         """Start recording one schedule run (one `schedule.step`)."""
-        self.steps.append([])
+        self.clock.begin_step()
+        self._pending = []
         self.recording = True
 
     def end_step(self) -> None:
         self.recording = False
+        times = self.clock.end_step([interval for _, _, interval in self._pending])
+        self.steps.append([(kind, chunk, t0, t1) for (kind, chunk, _), (t0, t1) in zip(self._pending, times)])
+        self._pending = []
 
 
 def _let_memory_tracker_see(stage_module: nn.Module) -> None:

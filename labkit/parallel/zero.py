@@ -54,17 +54,28 @@ def _bucket_sizes(hidden: int | None, numel: int, prefetch: bool) -> dict:
 
 
 def ds_config(cfg, stage: int, offload: bool, *, dp: int, hidden: int | None, numel: int,
-              gpu: bool = False) -> dict:
+              gpu: bool = False, cast_buffers: bool = False) -> dict:
     """The DeepSpeed JSON config of one run (a resolved TrainConfig `cfg`).
 
     The optimizer matches the harness's AdamW (betas 0.9/0.999, eps 1e-8, no weight decay) so losses
     compare with ddp: `torch_adam` makes DeepSpeed use torch.optim.AdamW; with offload DeepSpeed
     always uses its own DeepSpeedCPUAdam (a C++ op built on first use).
+
+    `cast_buffers` (vision models): with bf16/fp16 on, DeepSpeed >= 0.19 casts the parameters only and
+    keeps buffers in their dtype (right for Llama's fp32 rotary `inv_freq`), which leaves BatchNorm with
+    16-bit weights and fp32 running statistics, a combination batch_norm refuses ("expected scalar
+    type BFloat16 but found Float", measured on CPU); `data_types.buffer_dtype` casts them too, as
+    DeepSpeed's older whole-module `.bfloat16()` did.
     """
     if cfg.batch % (dp * cfg.accum):
         raise ConfigError(f"global batch {cfg.batch} does not split into {dp} ranks x {cfg.accum} micro-batches")
     buckets = _bucket_sizes(hidden, numel, prefetch=gpu)
-    zero = {"stage": stage, "overlap_comm": False, "contiguous_gradients": True,
+    # overlap_comm: reduce (stages 1-2: reduce-scatter gradient buckets) / all-gather on DeepSpeed's side
+    # streams while backward computes, at the cost of extra bucket buffers (DeepSpeed's ZeRO config docs;
+    # its stage-3 default). Only on GPUs: a CPU run has no streams to overlap on (over gloo it runs and
+    # gives the same losses for stages 1-3, measured with DeepSpeed 0.19.8, but only adds buffers).
+    # Unverified on hardware: the speed-up.
+    zero = {"stage": stage, "overlap_comm": gpu, "contiguous_gradients": True,
             "reduce_bucket_size": buckets["reduce_bucket_size"]}
     if stage < 3:
         zero["allgather_bucket_size"] = buckets["allgather_bucket_size"]
@@ -86,6 +97,7 @@ def ds_config(cfg, stage: int, offload: bool, *, dp: int, hidden: int | None, nu
         "zero_optimization": zero,
         "bf16": {"enabled": cfg.amp == "bf16"},
         "fp16": {"enabled": cfg.amp == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        **({"data_types": {"buffer_dtype": cfg.amp}} if cast_buffers and cfg.amp in ("bf16", "fp16") else {}),
         "gradient_clipping": 0.0,
         "steps_per_print": 1_000_000_000,
         "wall_clock_breakdown": False,
@@ -303,7 +315,7 @@ class ZeroStrategy(Strategy):
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
         numel = sum(p.numel() for p in model.parameters())
         self.config = ds_config(self.cfg, self.stage, self.offload, dp=self.dp_size, hidden=hidden, numel=numel,
-                                gpu=self.ctx.device.type == "cuda")
+                                gpu=self.ctx.device.type == "cuda", cast_buffers=self.task.kind == "vision")
         if self.ctx.is_main:
             self.config_path = write_config(self.config, self.cfg.out, self.name)
         self.engine, self.ds_optimizer = apply_zero(model, self.ctx.group, cfg=self.cfg, config=self.config)
@@ -330,10 +342,21 @@ class ZeroStrategy(Strategy):
             (held,) = count_bytes([ds_param_tensors(module)], self.ctx.device)
             self._param_peak = max(self._param_peak, held, key=sum)
 
+    def _cast_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Float inputs in the engine's dtype: with bf16/fp16 enabled DeepSpeed casts the model, not
+        the batch (its fp16 `auto_cast` is off by default and has no bf16 twin), so an fp32 image batch
+        meets bf16 conv weights ("Input type (float) and bias type (BFloat16) should be the same",
+        DeepSpeed issue 6789). Token ids and labels are integers and stay as they are."""
+        dtype = self.engine.get_data_types()[0]
+        return inputs.to(dtype) if inputs.is_floating_point() and inputs.dtype != dtype else inputs
+
+    def eval_logits(self, inputs, targets):
+        return super().eval_logits(self._cast_inputs(inputs), targets)
+
     def train_step(self, micro_batches: list, loss_fn):
         total = None
         for inputs, targets in micro_batches:
-            loss = loss_fn(self.engine, inputs, targets)
+            loss = loss_fn(self.engine, self._cast_inputs(inputs), targets)
             self.engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
             self._note_grads()
             self.engine.step()  # a no-op except at the accumulation boundary

@@ -61,20 +61,15 @@ def run(strategy: str, model: str, *, timeout_s: float | None = None, stream: bo
 
 
 def _in_process(cfg: TrainConfig) -> results.RunRecord:
-    import gc
-
-    import torch
-
     from labkit.train.loop import train
+    from labkit.train.metrics import free_device_memory
     from labkit.train.worker import local_context
 
     ctx = local_context(cfg)
     try:
         return train(cfg, ctx)
     finally:
-        if ctx.device.type == "cuda":  # hand the GPU back to the ranks a later launch starts
-            gc.collect()
-            torch.cuda.empty_cache()
+        free_device_memory(ctx.device)  # hand the GPU back to the ranks a later launch starts
 
 
 def record_of(out, run_id: str) -> results.RunRecord:

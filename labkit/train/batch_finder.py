@@ -1,24 +1,45 @@
 """How big a batch fits? The max-batch finder and a per-category memory breakdown of one step.
 
-GPU: grow the micro-batch (doubling) until a step raises torch.cuda.OutOfMemoryError, then bisect
-back between the last fit and the first failure. CPU has no out-of-memory to hit, so the same
-search runs against a budget: a step "fits" when its tensor-accounted peak (MemTracker) stays under
-`budget_mb` -- the lesson (memory grows linearly in the batch on top of the fixed model state) is the
-same. Introduced in notebook 02_single_gpu.
+GPU: grow the micro-batch (doubling) until a step runs out of memory, then bisect back between the
+last fit and the first failure. Out of memory is torch.cuda.OutOfMemoryError or one of the
+RuntimeErrors cuBLAS / cuDNN raise when their own workspace allocation fails (`OOM_MESSAGES`). A
+search that never failed up to `limit` says so (`limit_reached`): the answer is a lower bound.
+CPU has no out-of-memory to hit, so the same search runs against a budget: a step "fits" when its
+tensor-accounted peak (MemTracker) stays under `budget_mb` -- the lesson (memory grows linearly in
+the batch on top of the fixed model state) is the same. Introduced in notebook 02_single_gpu.
 """
 from __future__ import annotations
 
-import gc
 from typing import Callable
 
 import torch
 
 from labkit.errors import ConfigError
+from labkit.train.metrics import free_device_memory
 
 MiB = 2 ** 20
+#: Probe cap: large enough that a ResNet-50 on an 80 GB GPU runs out of memory first (doubling makes
+#: the cap cost one probe per factor of 2, and the first failure ends the growth).
+DEFAULT_LIMIT = 1 << 16
+#: RuntimeError texts that mean "the device ran out of memory" although they are not
+#: torch.cuda.OutOfMemoryError: cuBLAS handle/workspace allocation ("CUBLAS_STATUS_ALLOC_FAILED"),
+#: cuDNN workspace/allocation ("CUDNN_STATUS_NOT_ENOUGH_WORKSPACE", "CUDNN_STATUS_ALLOC_FAILED"),
+#: and the generic "CUDA error: out of memory" of a failed cudaMalloc outside the caching allocator.
+#: Unverified on hardware here: the texts are those the libraries' status names print, tested on CPU
+#: with simulated errors.
+OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
+                "CUDNN_STATUS_ALLOC_FAILED")
 
 
-def search_max(fits: Callable[[int], bool], *, start: int = 1, limit: int = 4096) -> int:
+def is_oom(exc: BaseException) -> bool:
+    """True if `exc` means the device ran out of memory (see OOM_MESSAGES)."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(m.lower() in text.lower() for m in OOM_MESSAGES)
+
+
+def search_max(fits: Callable[[int], bool], *, start: int = 1, limit: int = DEFAULT_LIMIT) -> int:
     """Largest b in start..limit with fits(b), for a monotone `fits`: double until it fails, then bisect.
 
     Costs about 2 log2(answer / start) probes. Returns 0 when even b = start does not fit.
@@ -63,7 +84,7 @@ def _fake_batch(task, cfg, b: int, device):
 
 
 def _step_peak(hook, cfg, b: int) -> int | None:
-    """Peak bytes of one training step at micro-batch b, or None on CUDA out-of-memory."""
+    """Peak bytes of one training step at micro-batch b, or None when the device ran out of memory."""
     from labkit.train.metrics import PeakMemory
 
     device = hook.ctx.device
@@ -73,21 +94,23 @@ def _step_peak(hook, cfg, b: int) -> int | None:
         with peak.track(hook.model, hook.optimizer) as wrap:
             hook.train_step([batch], wrap(hook.task.loss))
         return peak.result()
-    except torch.cuda.OutOfMemoryError:
+    except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError
+        if not is_oom(exc):
+            raise
         return None
     finally:
         batch = None
         hook.optimizer.zero_grad(set_to_none=True)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(device)
 
 
-def find_max_batch(model: str, *, profile: str = "smoke", budget_mb: float | None = None, limit: int = 4096,
-                   **options) -> dict:
+def find_max_batch(model: str, *, profile: str = "smoke", budget_mb: float | None = None,
+                   limit: int = DEFAULT_LIMIT, **options) -> dict:
     """The largest micro-batch of `model` one device trains (AMP / checkpointing / channels_last via options).
 
-    Returns {'max_micro_batch', 'budget_bytes', 'probes': [[batch, peak_bytes or None], ...], 'device'}.
+    Returns {'max_micro_batch', 'limit_reached', 'budget_bytes', 'probes': [[batch, peak_bytes or None],
+    ...], 'device', ...}. `limit_reached` is True when no probe up to `limit` failed: then
+    'max_micro_batch' is only a lower bound (raise `limit`). The device memory is freed at the end.
     """
     cfg, hook = _probe_hook(model, profile, **options)
     device = hook.ctx.device
@@ -103,10 +126,16 @@ def find_max_batch(model: str, *, profile: str = "smoke", budget_mb: float | Non
         return peak is not None and (budget is None or peak <= budget)
 
     # BatchNorm cannot normalise one sample per channel in training mode: image models start at 2.
-    best = search_max(fits, start=2 if hook.task.kind == "vision" else 1, limit=limit)
-    hook.close()
-    return {"model": model, "max_micro_batch": best, "budget_bytes": budget, "probes": probes,
-            "device": str(device), "amp": cfg.amp, "checkpointing": cfg.checkpointing}
+    try:
+        best = search_max(fits, start=2 if hook.task.kind == "vision" else 1, limit=limit)
+    finally:
+        hook.close()
+        del hook
+        free_device_memory(device, reset_peak=True)
+    reached = all(peak is not None and (budget is None or peak <= budget) for _, peak in probes)
+    return {"model": model, "max_micro_batch": best, "limit_reached": reached, "limit": limit,
+            "budget_bytes": budget, "probes": probes, "device": str(device), "amp": cfg.amp,
+            "checkpointing": cfg.checkpointing}
 
 
 def memory_breakdown(model: str, *, profile: str = "smoke", batch: int | None = None, **options) -> dict:
@@ -123,7 +152,10 @@ def memory_breakdown(model: str, *, profile: str = "smoke", batch: int | None = 
         hook.train_step([(x, y)], hook.task.loss)
     peak = tracker.get_tracker_snapshot("peak")
     out = {getattr(k, "value", str(k)): int(v) for snap in peak.values() for k, v in snap.items()}
-    if hook.ctx.device.type == "cuda":
-        out["cuda_memory_summary"] = torch.cuda.memory_summary(hook.ctx.device, abbreviated=True)
+    device = hook.ctx.device
+    if device.type == "cuda":
+        out["cuda_memory_summary"] = torch.cuda.memory_summary(device, abbreviated=True)
     hook.close()
+    del hook, x, y
+    free_device_memory(device, reset_peak=True)
     return out

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from labkit import optim, parallel, presets
+from labkit import hub, optim, parallel, presets
 from labkit.errors import ConfigError, choices_error
 
 AMP_MODES = ("bf16", "fp16", "none")
@@ -27,7 +27,8 @@ class TrainConfig:
     strategy: str
     """Registry name in `labkit.parallel.STRATEGIES` ('single', 'ddp', 'fsdp', ...)."""
     model: str
-    """Model preset ('tiny-resnet', 'tiny-llama', 'resnet50', 'tinyllama-1.1b', ...) or local LLM folder."""
+    """Model preset ('tiny-resnet', 'tiny-llama', 'resnet50', 'tinyllama-1.1b', ...), local LLM folder or a
+    Hugging Face id 'ORG/NAME' in the HF cache (`labkit fetch ID`; labkit.hub)."""
     profile: str = "smoke"
     """Profile name (`labkit.profiles.PROFILES`): device, default batch, lr, steps."""
     nproc: int = 1
@@ -75,8 +76,12 @@ class TrainConfig:
     """Find the largest micro-batch that fits instead of training (GPU; CPU needs memory_budget_mb)."""
     memory_budget_mb: float | None = None
     """Memory budget (MiB) for the max-batch finder on CPU, where nothing runs out of memory."""
+    memory_cap_gb: float | None = None
+    """Train as if the device had this many GB (10^9 B): the CUDA allocator's limit, on CPU the tracked
+    peak (labkit.train.memcap); e.g. 24 for the RTX 4090 scenario on an 80 GB A100 (06_peft)."""
     data: str = "synthetic"
-    """'synthetic', 'tiny' (the set shipped in labkit/data) or a local path (ImageFolder dir / text file)."""
+    """'synthetic', 'tiny' (the set shipped in labkit/data), 'food11' / 'dolly' (`labkit fetch NAME`) or a local
+    path (ImageFolder dir / text or .jsonl file)."""
     seq_len: int | None = None
     """Tokens per LLM sequence; default from the profile."""
     image_size: int | None = None
@@ -85,6 +90,8 @@ class TrainConfig:
     """Steps excluded from the median step time (allocator warm-up, lazy init, compilation)."""
     eval_batches: int = 2
     """Held-out batches evaluated at the end of the run (0 = no evaluation)."""
+    eval_at_start: bool = False
+    """Also evaluate them before the first step (record extra 'eval_start_loss'): did fine-tuning help?"""
     workers: int | None = None
     """DataLoader worker processes per rank; default 0 on CPU, 4 on GPU."""
     progress: bool = True
@@ -121,6 +128,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name}={value!r}; it must be an integer >= 0")
+        if self.memory_cap_gb is not None and (isinstance(self.memory_cap_gb, bool) or not self.memory_cap_gb > 0):
+            raise ConfigError(f"memory_cap_gb={self.memory_cap_gb!r}; give a size in GB > 0, e.g. --memory-cap-gb 24")
         if self.lr is not None and not self.lr > 0:
             raise ConfigError(f"lr={self.lr!r}; it must be > 0")
         if self.nnodes > 1 and not self.rdzv_endpoint:
@@ -186,12 +195,16 @@ def from_dict(values: dict) -> TrainConfig:
 
 
 def model_kind(name: str) -> str:
-    """'llm' (preset or local checkpoint folder) or 'vision'; ConfigError listing trainable models."""
+    """'llm' (preset, local checkpoint folder or cached HF id) or 'vision'; ConfigError listing trainable models."""
     if name in presets.LLM_PRESETS or (Path(name) / "config.json").is_file():
+        return "llm"
+    if hub.is_hub_id(name):
+        hub.resolve(name)  # not cached: the error names `labkit fetch ID`, before any launch
         return "llm"
     if name in presets.VISION_PRESETS:
         return "vision"
-    valid = list(presets.LLM_PRESETS) + list(presets.VISION_PRESETS) + ["<local checkpoint folder>"]
+    valid = list(presets.LLM_PRESETS) + list(presets.VISION_PRESETS)
+    valid += ["<local checkpoint folder>", "<cached HF id ORG/NAME>"]
     raise choices_error("model", name, valid)
 
 

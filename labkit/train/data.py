@@ -19,6 +19,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from labkit import presets
 from labkit.errors import ConfigError
+from labkit.train.imagecache import cached_image_folder
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 TINY_TEXT = DATA_DIR / "tiny_corpus.txt"
@@ -26,7 +27,6 @@ TINY_IMAGES = DATA_DIR / "tiny_images"
 #: Food-11 training split size (the NYU lab's data): synthetic images use it for epoch projections.
 FOOD11_TRAIN_IMAGES = 9866
 SYNTHETIC_SEQUENCES = 8192
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,10 @@ class Task:
     """Classes (vision) or vocabulary size (llm)."""
     seq_len: int = 0
     """Tokens per sequence (llm); 0 for images."""
+    moe_top_k: int = 0
+    """Experts per token of a mixture-of-experts LLM (tiny-moe); 0 for a dense model."""
+    aux_loss_coef: float = 0.0
+    """Weight of the MoE load-balancing loss (`labkit.moe.balance_loss`) added to the training loss."""
 
     @property
     def tokens_per_sample(self) -> int:
@@ -53,14 +57,22 @@ class Task:
         return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
     def loss(self, model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.criterion(self.logits(model, inputs), targets)
+        if not self.moe_top_k:
+            return self.criterion(self.logits(model, inputs), targets)
+        out = model(inputs)  # MoE: + the routers' load-balancing loss (labkit.moe, notebook 09)
+        from labkit.moe import balance_loss
+        aux = balance_loss(out.router_logits, top_k=self.moe_top_k, batch=inputs.shape[0])
+        return self.criterion(out.logits, targets) + self.aux_loss_coef * aux
 
 
 def make_task(cfg) -> Task:
     """The task of a resolved TrainConfig's model."""
     if cfg.kind == "llm":
         from labkit.models import llm_config
-        return Task("llm", llm_config(cfg.model).vocab_size, cfg.seq_len)
+        from labkit.moe import moe_facts
+        config = llm_config(cfg.model)
+        moe = moe_facts(config)
+        return Task("llm", config.vocab_size, cfg.seq_len, moe_top_k=moe["top_k"], aux_loss_coef=moe["aux_coef"])
     return Task("vision", presets.VISION_PRESETS[cfg.model]["num_classes"])
 
 
@@ -122,22 +134,25 @@ class TokenSequences(Dataset):
 
 def tokenize_text(path: Path, model: str, vocab: int) -> torch.Tensor:
     """Token ids of a text file: the checkpoint's tokenizer when it has one, else UTF-8 bytes (vocab >= 256)."""
-    text = path.read_text(encoding="utf-8")
-    if (Path(model) / "tokenizer_config.json").is_file():
+    from labkit.fetch import jsonl_text
+
+    # .jsonl: an instruction set (labkit.fetch.TEXT_SETS), one '### Instruction / Response' text per record
+    text = jsonl_text(path) if path.suffix == ".jsonl" else path.read_text(encoding="utf-8")
+    from labkit.models import checkpoint_dir
+
+    folder = checkpoint_dir(model, weights=False)
+    if folder is not None and (folder / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
-        return torch.tensor(AutoTokenizer.from_pretrained(model)(text)["input_ids"], dtype=torch.long)
+        return torch.tensor(AutoTokenizer.from_pretrained(folder)(text)["input_ids"], dtype=torch.long)
     if vocab < 256:
         raise ConfigError(f"model vocabulary {vocab} < 256 cannot hold byte tokens of {path}; use data='synthetic'")
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
 
 
-def image_folder(root: Path, image_size: int, num_classes: int):
-    """torchvision ImageFolder with deterministic resize + center crop (no random augmentation, so runs compare)."""
-    from torchvision import datasets, transforms
-
-    tf = transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size),
-                             transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
-    ds = datasets.ImageFolder(str(root), transform=tf)
+def image_folder(root: Path, image_size: int, num_classes: int, *, workers: int = 0):
+    """An ImageFolder with deterministic resize + center crop (no random augmentation, so runs compare),
+    decoded once into a uint8 tensor cache (labkit.train.imagecache: the loader must not be the bottleneck)."""
+    ds = cached_image_folder(root, image_size, workers=workers)
     if len(ds.classes) > num_classes:
         raise ConfigError(f"{root} has {len(ds.classes)} classes but the model predicts {num_classes}; "
                           "use a model with at least that many outputs (resnet50 has 1000)")
@@ -149,6 +164,15 @@ def build_datasets(cfg, task: Task) -> tuple[Dataset, Dataset | None]:
     source = cfg.data
     if source == "tiny":
         source = str(TINY_TEXT if task.kind == "llm" else TINY_IMAGES)
+    from labkit.fetch import TEXT_SETS, text_path
+    if task.kind == "llm" and source in TEXT_SETS:  # e.g. 'dolly' from the HF cache (`labkit fetch dolly`)
+        source = str(text_path(source))
+    if task.kind == "vision" and source == "food11":  # where `labkit fetch food11` put it
+        from labkit import food11
+        if not food11.is_ready(food11.default_dir()):
+            raise ConfigError(f"data='food11': Food-11 is not in {food11.default_dir()}; run `labkit fetch food11` "
+                              "(or set LABKIT_FOOD11 to the folder that holds it)")
+        source = str(food11.default_dir())
     held = max(cfg.eval_batches, 1) * cfg.batch
     if source == "synthetic":
         if task.kind == "llm":
@@ -159,7 +183,8 @@ def build_datasets(cfg, task: Task) -> tuple[Dataset, Dataset | None]:
     path = Path(source).expanduser()
     if task.kind == "llm":
         if not path.is_file():
-            raise ConfigError(f"data={cfg.data!r}: an LLM reads a text file; give its path, 'tiny' or 'synthetic'")
+            raise ConfigError(f"data={cfg.data!r}: an LLM reads a text or .jsonl file; give its path, 'tiny', "
+                              f"'synthetic' or {', '.join(TEXT_SETS)} (`labkit fetch NAME`)")
         tokens = tokenize_text(path, cfg.model, task.num_classes)
         cut = int(len(tokens) * 0.9)  # last 10 % held out for evaluation
         return TokenSequences(tokens[:cut], cfg.seq_len), TokenSequences(tokens[cut:], cfg.seq_len)
@@ -169,23 +194,31 @@ def build_datasets(cfg, task: Task) -> tuple[Dataset, Dataset | None]:
     # Food-11 layout: training/ validation/ evaluation/, each with class_00 .. class_10.
     train_dir = path / "training" if (path / "training").is_dir() else path
     val_dir = path / "validation" if (path / "validation").is_dir() else None
-    train = image_folder(train_dir, cfg.image_size, task.num_classes)
-    return train, image_folder(val_dir, cfg.image_size, task.num_classes) if val_dir else None
+    workers = cfg.workers or 0
+    train = image_folder(train_dir, cfg.image_size, task.num_classes, workers=workers)
+    return train, image_folder(val_dir, cfg.image_size, task.num_classes, workers=workers) if val_dir else None
 
 
 # ------------------------------------------------------------------------------------------ sharding
-class _EpochSlice(Sampler):
-    """This rank's sample indices of one epoch from position `start` on (resume mid-epoch without reading data)."""
+class _StepIndices(Sampler):
+    """This rank's sample indices for every step from `start_step` on, epoch after epoch, without end.
 
-    def __init__(self, sampler: DistributedSampler, epoch: int, start: int, count: int):
-        self.sampler, self.start, self.count = sampler, start, count
-        sampler.set_epoch(epoch)
+    One DataLoader reads them for the whole run, so its worker processes live as long as the run
+    (a loader rebuilt per epoch restarts its workers: a stall at every epoch boundary). Each epoch
+    contributes whole local batches only, so batch k of the loader is exactly step k's share.
+    """
+
+    def __init__(self, sampler: DistributedSampler, local_batch: int, steps_per_epoch: int, start_step: int):
+        self.sampler, self.local_batch, self.steps_per_epoch, self.start_step = \
+            sampler, local_batch, steps_per_epoch, start_step
 
     def __iter__(self):
-        return iter(list(self.sampler)[self.start: self.start + self.count])
-
-    def __len__(self) -> int:
-        return self.count
+        step = self.start_step
+        while True:
+            epoch, offset = divmod(step, self.steps_per_epoch)
+            self.sampler.set_epoch(epoch)  # resume mid-epoch without reading data
+            yield from list(self.sampler)[offset * self.local_batch: self.steps_per_epoch * self.local_batch]
+            step += self.steps_per_epoch - offset
 
 
 class StepLoader:
@@ -203,18 +236,12 @@ class StepLoader:
         self.steps_per_epoch = len(dataset) // global_batch
 
     def __iter__(self):
-        step = self.start_step
-        while True:
-            epoch, offset = divmod(step, self.steps_per_epoch)
-            sampler = DistributedSampler(self.dataset, num_replicas=self.dp_size, rank=self.dp_rank,
-                                         shuffle=True, seed=self.seed)
-            todo = self.steps_per_epoch - offset
-            part = _EpochSlice(sampler, epoch, offset * self.local_batch, todo * self.local_batch)
-            loader = DataLoader(self.dataset, batch_size=self.local_batch, sampler=part, drop_last=True,
-                                num_workers=self.workers, pin_memory=self.pin_memory)
-            for batch in loader:
-                yield batch
-                step += 1
+        sampler = DistributedSampler(self.dataset, num_replicas=self.dp_size, rank=self.dp_rank,
+                                     shuffle=True, seed=self.seed)
+        steps = _StepIndices(sampler, self.local_batch, self.steps_per_epoch, self.start_step)
+        loader = DataLoader(self.dataset, batch_size=self.local_batch, sampler=steps, drop_last=True,
+                            num_workers=self.workers, pin_memory=self.pin_memory)
+        yield from loader
 
 
 def rank_indices(n: int, *, global_batch: int, dp_size: int, step: int = 0, seed: int = 0) -> list[list[int]]:

@@ -75,13 +75,20 @@ def _resolve(path: str):
 
 
 def train_all(configs: list, ctx, *, first=None, before: str = "", spec=None) -> None:
-    """On one rank inside an initialised process group: the `before` hook, then `train` per config."""
+    """On one rank inside an initialised process group: the `before` hook, then `train` per config.
+
+    Between runs the previous run's model, optimizer and engine are collected and (on CUDA) the
+    allocator's cache emptied and its peak reset: otherwise a later run starts on a device still
+    holding the earlier runs' state, and its peak (and an OOM) would include them."""
     from labkit.train.loop import train
+    from labkit.train.metrics import free_device_memory
 
     if before:
         _resolve(before)(spec, first or configs[0], ctx)
+        free_device_memory(ctx.device, reset_peak=True)
     for cfg in configs:
         train(cfg, ctx)
+        free_device_memory(ctx.device, reset_peak=True)
 
 
 def main(argv: list[str] | None = None) -> None:

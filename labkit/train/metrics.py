@@ -6,16 +6,23 @@ which the median step time excludes. Introduced in notebook 02_single_gpu.
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
 from typing import NamedTuple
 
 import torch
 
-#: Dense peak TFLOPS per GPU by (name fragment, compute dtype), from the vendors' data sheets:
-#: A100 bf16/fp16 312, TF32 156; H100 SXM bf16/fp16 989, TF32 495; V100 fp16 125, fp32 15.7.
+#: Dense peak TFLOPS per GPU (no 2:4 sparsity) by (name fragment, compute dtype), from the vendors' data
+#: sheets; the most specific fragment first (torch.cuda.get_device_name: "NVIDIA H100 PCIe",
+#: "NVIDIA H100 80GB HBM3" = SXM5, "Tesla V100-PCIE-32GB"). "float32" is true FP32 on the CUDA cores:
+#: labkit leaves TF32 matmuls off (torch's default, float32_matmul_precision "highest"), so an fp32 run
+#: is measured against 19.5 (A100) / 67 (H100 SXM), not the TF32 tensor-core peak ("tf32").
 PEAK_TFLOPS = (
-    ("H100", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.7}),
-    ("A100", {"bfloat16": 312.0, "float16": 312.0, "float32": 156.0}),
+    ("H100 PCIe", {"bfloat16": 756.0, "float16": 756.0, "tf32": 378.0, "float32": 51.0}),
+    ("H100 NVL", {"bfloat16": 835.0, "float16": 835.0, "tf32": 418.0, "float32": 60.0}),
+    ("H100", {"bfloat16": 989.0, "float16": 989.0, "tf32": 494.7, "float32": 67.0}),
+    ("A100", {"bfloat16": 312.0, "float16": 312.0, "tf32": 156.0, "float32": 19.5}),
+    ("V100-PCIE", {"float16": 112.0, "float32": 14.0}),
     ("V100", {"float16": 125.0, "float32": 15.7}),
 )
 
@@ -75,6 +82,24 @@ def resident_bytes(model: torch.nn.Module, optimizer, device: torch.device) -> R
     return ResidentBytes(p_here, g_here, o_here, offload)
 
 
+def free_device_memory(device: torch.device | str | None = None, *, reset_peak: bool = False) -> None:
+    """Hand memory back: collect unreachable objects (a finished run's model, optimizer and the
+    reference cycles autograd and hooks leave), then on CUDA return the caching allocator's free
+    blocks to the driver (`torch.cuda.empty_cache`: what nvidia-smi and the next process see) and,
+    with `reset_peak`, restart `max_memory_allocated` so the next measurement sees only its own peak.
+    On CPU only the collection does anything. Unverified on hardware here: the CUDA calls are
+    documented torch.cuda memory-management APIs, tested on CPU with stand-ins."""
+    gc.collect()
+    device = torch.device(device) if device is not None else None
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(device)
+
+
 class PeakMemory:
     """Peak bytes of one rank: the CUDA allocator's high-water mark, or on CPU a MemTracker
     (torch.distributed._tools.mem_tracker) over one warm-up step -- tensor accounting, not RSS."""
@@ -118,6 +143,30 @@ class PeakMemory:
         return int(self.peak)
 
 
+def uncompiled_step_flops(module: torch.nn.Module, inputs: list) -> float:
+    """FLOPs of one training step over the micro-batch `inputs`, counted on the module torch.compile
+    wrapped (FlopCounterMode sees no aten ops inside a compiled graph: a compiled run reported MFU 0).
+
+    3 x the forward FLOPs: backward costs 2 x forward for matmuls and convolutions (Kaplan et al.
+    2020, 2N forward + 4N backward); the first layer's unneeded input gradient makes it an upper
+    bound by a few percent. The forward runs in eval mode under no_grad (BatchNorm statistics and
+    gradients stay untouched)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    for attr in ("_orig_mod", "module"):  # torch.compile, DDP
+        module = getattr(module, attr, module)
+    was_training = module.training
+    module.eval()
+    counter = FlopCounterMode(display=False)
+    try:
+        with torch.no_grad(), counter:
+            for x in inputs:
+                module(x)
+    finally:
+        module.train(was_training)
+    return 3.0 * counter.get_total_flops()
+
+
 @contextlib.contextmanager
 def count_flops(into: list):
     """Count the FLOPs of the enclosed work with torch.utils.flop_counter; appends the total to `into`."""
@@ -137,15 +186,29 @@ def median_step_time(times: list[float], skip: set[int], warmup: int) -> float:
     return statistics.median(kept) if kept else 0.0
 
 
+def peak_for(gpu_name: str, dtype: str, *, tf32: bool = False, fallback: float = 0.0) -> float:
+    """Dense peak TFLOPS of the GPU called `gpu_name` at `dtype` ("float32" means TF32 if `tf32`);
+    the first matching fragment of PEAK_TFLOPS decides, `fallback` for an unknown GPU or dtype
+    (a V100 has no bf16 tensor cores: no bf16 peak)."""
+    key = "tf32" if dtype == "float32" and tf32 else dtype
+    for fragment, table in PEAK_TFLOPS:
+        if fragment.lower() in gpu_name.lower():
+            return table.get(key, fallback)
+    return fallback
+
+
+def tf32_enabled() -> bool:
+    """True if fp32 matmuls may run as TF32 (torch.set_float32_matmul_precision "high"/"medium")."""
+    return torch.get_float32_matmul_precision() != "highest"
+
+
 def peak_tflops(device: torch.device, dtype: str, fallback: float = 0.0) -> float:
-    """Dense peak TFLOPS of this GPU at `dtype` (0 on CPU: MFU is not defined there)."""
+    """Dense peak TFLOPS of this GPU at `dtype` (0 on CPU: MFU is not defined there).
+    Unverified on hardware: the device names the SKU table matches are from NVIDIA's naming, not read
+    from our nodes; `labkit preflight` prints `device_name` so a mismatch shows up as MFU 0."""
     if device.type != "cuda":
         return 0.0
-    name = torch.cuda.get_device_name(device)
-    for fragment, table in PEAK_TFLOPS:
-        if fragment in name and dtype in table:
-            return table[dtype]
-    return fallback
+    return peak_for(torch.cuda.get_device_name(device), dtype, tf32=tf32_enabled(), fallback=fallback)
 
 
 def device_name(device: torch.device) -> str:
