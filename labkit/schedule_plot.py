@@ -15,7 +15,7 @@ from typing import Sequence
 
 from labkit.errors import ConfigError
 
-COLORS = {"F": "#4C72B0", "B": "#DD8452"}
+COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}  # W: weight-gradient half (zero bubble)
 
 
 def trace_of(record) -> list[dict]:
@@ -32,10 +32,14 @@ def trace_of(record) -> list[dict]:
 
 
 def events_of(per_rank: list[list[tuple]]) -> list[dict]:
-    """One step's events of every stage as dicts, times in ms from the step's first event."""
+    """One step's events of every stage as dicts, times in ms from the step's first event.
+
+    `stage` is the rank; an event with a fifth element (several stages per rank, notebook 09) also
+    gets `chunk`, the virtual stage it ran."""
     start = min(e[2] for events in per_rank for e in events)
-    return [dict(stage=s, kind=k, mb=mb, t0=round((t0 - start) * 1e3, 3), t1=round((t1 - start) * 1e3, 3))
-            for s, events in enumerate(per_rank) for k, mb, t0, t1 in events]
+    return [dict(stage=s, kind=e[0], mb=e[1], t0=round((e[2] - start) * 1e3, 3), t1=round((e[3] - start) * 1e3, 3),
+                 **({"chunk": e[4]} if len(e) > 4 else {}))
+            for s, events in enumerate(per_rank) for e in events]
 
 
 def measured_bubble(events: list[dict]) -> list[float]:
@@ -52,7 +56,7 @@ def max_in_flight(events: list[dict]) -> list[int]:
     for s in sorted({e["stage"] for e in events}):
         held = peak = 0
         for e in sorted((e for e in events if e["stage"] == s), key=lambda e: e["t0"]):
-            held += 1 if e["kind"] == "F" else -1
+            held += {"F": 1, "B": -1}.get(e["kind"], 0)  # W frees no activation input
             peak = max(peak, held)
         out.append(peak)
     return out
@@ -63,8 +67,13 @@ def text_schedule(events: Sequence[dict]) -> str:
     lines = []
     for s in sorted({e["stage"] for e in events}):
         ops = sorted((e for e in events if e["stage"] == s), key=lambda e: e["t0"])
-        lines.append(f"stage {s}: " + " ".join(f"{e['kind']}{e['mb']}" for e in ops))
+        lines.append(f"stage {s}: " + " ".join(_label(e) for e in ops))
     return "\n".join(lines)
+
+
+def _label(e: dict) -> str:
+    """'F3', or 'F3s2' when the event ran virtual stage 2."""
+    return f"{e['kind']}{e['mb']}" + (f"s{e['chunk']}" if "chunk" in e else "")
 
 
 def replay(events: Sequence[dict]) -> list[dict]:
@@ -111,13 +120,15 @@ def plot_schedule(record_or_events, *, title: str | None = None, ax=None):
         width = e["t1"] - e["t0"]
         ax.broken_barh([(e["t0"], width)], (e["stage"] - 0.4, 0.8), facecolors=COLORS[e["kind"]],
                        edgecolors="white", linewidth=0.5)
-        ax.text(e["t0"] + width / 2, e["stage"], f"{e['kind']}{e['mb']}", ha="center", va="center",
+        ax.text(e["t0"] + width / 2, e["stage"], _label(e), ha="center", va="center",
                 color="white", fontsize=8, clip_on=True)
     ax.set_yticks(stages, [f"stage {s}" for s in stages])
     ax.invert_yaxis()
     ax.set_xlabel("time in the step (ms)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    ax.legend(handles, ["forward", "backward"], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    kinds = [k for k in COLORS if any(e["kind"] == k for e in events)]
+    names = {"F": "forward", "B": "backward" if "W" not in kinds else "backward (input)", "W": "backward (weights)"}
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in kinds]
+    ax.legend(handles, [names[k] for k in kinds], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     if title:
         ax.set_title(title)
     return ax

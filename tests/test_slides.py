@@ -26,6 +26,7 @@ READINGS = {
     "04_fsdp_zero": {"zero", "fsdp"},
     "06_peft": {"lora", "qlora"},
     "07_model_parallel": {"megatron", "gpipe"},
+    "09_beyond_3d": {"nccltests", "zerobubble", "chinchilla"},
 }
 SLIDE_W, SLIDE_H = 1280, 720
 

@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "check": "check",
     "grade": "grade",
     "slides": "slides",
+    "bench": "bench",
 }
 
 

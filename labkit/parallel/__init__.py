@@ -79,6 +79,7 @@ STRATEGIES = MappingProxyType({
     **{n: ("zero", "sharding") for n in ("zero1", "zero2", "zero3", "zero3-offload")},
     **{n: ("peft", "PEFT") for n in ("lora", "qlora")},
     **{n: ("pipeline", "model-parallel") for n in ("pipeline-gpipe", "pipeline-1f1b")},
+    **{n: ("pipeline_virtual", "beyond 3-D") for n in ("pipeline-interleaved", "pipeline-zero-bubble")},
     **{n: ("tensor", "model-parallel") for n in ("tensor", "tensor-fsdp")},
     **{n: ("stack", "profiling and stacking") for n in ("fsdp-qlora", "fsdp-qlora-offload")},
     "context-parallel": ("context", "beyond 3-D"),

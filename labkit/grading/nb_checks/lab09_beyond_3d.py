@@ -1,0 +1,96 @@
+"""Checks of notebooks/09_beyond_3d.ipynb: bus bandwidth, virtual-stage pipelines, the hang, the 175B budget.
+
+References come from labkit (`labkit.commbench.bus_factor`, `labkit.parallel.pipeline_virtual`,
+`labkit.budget` on `labkit.planner.budget`); the answer keys are listed in docs/beyond_3d.md.
+"""
+from __future__ import annotations
+
+import functools
+
+from labkit.grading.checks import answer_close, answer_equals, cell_ran, figure_present, losses_agree, relation
+from labkit.grading.evidence import CheckFailed, Evidence
+
+NOTEBOOK = "09_beyond_3d"
+GPU_COUNTS = (64, 128, 256, 512, 1024)
+
+
+def _bus_factors(ev: Evidence):
+    from labkit.commbench import OPS, bus_factor
+
+    got = ev.answer("09.bus_factors")
+    if not isinstance(got, dict) or set(got) != set(OPS):
+        raise CheckFailed(f"answer must be a dict with one list per collective ({', '.join(OPS)})")
+    wrong = [op for op in OPS if not isinstance(got[op], list) or len(got[op]) != 7 or any(
+        not isinstance(x, (int, float)) or abs(x - bus_factor(op, n)) > 1e-6 for x, n in zip(got[op], range(2, 9)))]
+    return not wrong, "every factor matches nccl-tests" if not wrong else f"wrong for: {', '.join(wrong)}"
+
+
+def bubble_interleaved(ev: Evidence) -> float:
+    from labkit.parallel.pipeline_virtual import interleaved_bubble
+
+    return interleaved_bubble(4, 8)
+
+
+def days_175b(ev: Evidence) -> float:
+    from labkit.budget import days_at_mfu
+    from labkit.memory.params import model_spec
+    from labkit.perf_model import GPUS
+
+    return days_at_mfu(model_spec("gpt3-175b").params, 300e9, 1024, GPUS["a100-80gb"].peak_tflops, 0.45)
+
+
+@functools.lru_cache(maxsize=1)
+def _ranked():
+    from labkit.budget import rank_by_cost
+
+    return rank_by_cost("gpt3-175b", 300e9, GPU_COUNTS, price_per_gpu_hour=2.0)
+
+
+def cheapest_cost(ev: Evidence) -> float:
+    return _ranked()[0].budget.cost
+
+
+def _cheapest_layout(ev: Evidence):
+    got = ev.answer("09.cheapest_175b_layout")
+    keys = {"gpus", "dp", "tp", "pp", "zero"}
+    if not isinstance(got, dict) or set(got) != keys:
+        raise CheckFailed(f"answer {got!r} must be a dict with exactly the keys {', '.join(sorted(keys))}")
+    rows = [r for r in _ranked() if r.layout == got]
+    if not rows:
+        return False, f"layout {got} is not among the layouts that fit in 80 GB"
+    ok = rows[0].budget.cost <= 1.01 * cheapest_cost(ev)  # ties: several layouts share the cheapest cost
+    return ok, f"layout {got} {'is' if ok else 'is not'} among the cheapest"
+
+
+def _zero_bubble_splits_backward(ev: Evidence):
+    events = ev.run("zero_bubble").extra.get("schedule_trace") or []
+    n = sum(e.get("kind") == "W" for e in events)
+    return n > 0, f"the zero-bubble schedule ran {n} weight-gradient (W) chunks"
+
+
+def _names_log_loss(ev: Evidence):
+    got = ev.answer("09.hang_function")
+    ok = isinstance(got, str) and got.strip().strip("()").lower() == "log_loss"
+    return ok, f"answer {got!r} {'names' if ok else 'does not name'} the function that called all_reduce"
+
+
+CHECKS = (
+    cell_ran("every cell ran without error", 1),
+    figure_present("bandwidth, schedule and budget figures shown", 1),
+    relation("interleaved 1F1B trains with the single process's losses", 1,
+             losses_agree("interleaved", "single", 1e-3), reads=(("run", "interleaved"), ("run", "single"))),
+    relation("zero-bubble trains with the single process's losses", 1,
+             losses_agree("zero_bubble", "single", 1e-3), reads=(("run", "zero_bubble"), ("run", "single"))),
+    relation("the zero-bubble schedule splits the backward", 1, _zero_bubble_splits_backward,
+             reads=(("run", "zero_bubble"),)),
+    relation("9.1 bus-bandwidth factors of every collective", 3, _bus_factors, reads=(("answer", "09.bus_factors"),)),
+    answer_close("9.2 bubble of interleaved 1F1B at p=4, v=2, m=8", 2, "09.bubble_interleaved_p4_m8",
+                 bubble_interleaved, rtol=0.01),
+    answer_equals("9.3a the rank waiting in all_reduce", 1, "09.hang_rank", 0),
+    relation("9.3b the function that called it", 1, _names_log_loss, reads=(("answer", "09.hang_function"),)),
+    answer_close("9.4 days for 175B on 300B tokens, 1024 A100s, MFU 0.45", 2, "09.days_175b_1024_mfu045",
+                 days_175b, rtol=0.01),
+    relation("9.5a the cheapest 175B layout within 80 GB", 3, _cheapest_layout,
+             reads=(("answer", "09.cheapest_175b_layout"),)),
+    answer_close("9.5b its cost", 1, "09.cheapest_175b_cost", cheapest_cost, rtol=0.02, visible=False),
+)
