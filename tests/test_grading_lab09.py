@@ -29,12 +29,28 @@ def _notebook(answers: dict):
     return nbformat.from_dict(json.loads(json.dumps(nb)))
 
 
+def _merged(merge) -> list:
+    """The notebook's 9.6 example: two 4-key blocks of seeded q, k, v merged by `merge`."""
+    import torch
+
+    from labkit.parallel.context import block_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    first = block_attention(q, k[:, :, :4], v[:, :, :4], scale=0.5, causal=False)
+    second = block_attention(q, k[:, :, 4:], v[:, :, 4:], scale=0.5, causal=False)
+    return [t.flatten().tolist() for t in merge(*first, *second)]
+
+
 def _right() -> dict:
+    from labkit.parallel.context import merge_attention
+
     best = L._ranked()[0]
     return {"09.bus_factors": {op: [commbench.bus_factor(op, n) for n in range(2, 9)] for op in commbench.OPS},
             "09.bubble_interleaved_p4_m8": L.bubble_interleaved(None), "09.hang_rank": 0,
             "09.hang_function": "log_loss()", "09.days_175b_1024_mfu045": L.days_175b(None),
-            "09.cheapest_175b_layout": best.layout, "09.cheapest_175b_cost": best.budget.cost}
+            "09.cheapest_175b_layout": best.layout, "09.cheapest_175b_cost": best.budget.cost,
+            "09.ring_merge": _merged(merge_attention)}
 
 
 def _answer_points(grade) -> dict[str, float]:
@@ -50,7 +66,8 @@ def test_right_answers_earn_every_answer_point_and_wrong_ones_none():
     wrong["09.bus_factors"] = {op: [2 * (n - 1) / n for n in range(2, 9)] for op in commbench.OPS}  # all-reduce everywhere
     wrong.update({"09.bubble_interleaved_p4_m8": 3 / 11, "09.hang_rank": 1, "09.hang_function": "barrier",
                   "09.days_175b_1024_mfu045": L.days_175b(None) * 0.45, "09.cheapest_175b_cost": 1.0,
-                  "09.cheapest_175b_layout": {"gpus": 64, "dp": 8, "tp": 8, "pp": 1, "zero": 0}})
+                  "09.cheapest_175b_layout": {"gpus": 64, "dp": 8, "tp": 8, "pp": 1, "zero": 0},
+                  "09.ring_merge": _merged(lambda oa, la, ob, lb: ((oa + ob) / 2, (la + lb) / 2))})
     assert sum(_answer_points(grade_notebook(_notebook(wrong), NOTEBOOK, checks)).values()) == 0
 
 

@@ -68,6 +68,32 @@ def _zero_bubble_splits_backward(ev: Evidence):
     return n > 0, f"the zero-bubble schedule ran {n} weight-gradient (W) chunks"
 
 
+def _ring_merge(ev: Evidence):
+    """9.6: the student's merge of two key blocks, recorded on the notebook's seeded inputs."""
+    import torch
+
+    got = ev.answer("09.ring_merge")
+    if not isinstance(got, list) or len(got) != 2:
+        raise CheckFailed("answer must be [merged output, merged lse] as the notebook records them")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    full = torch.softmax(q @ k.transpose(-2, -1) * 0.5, dim=-1) @ v
+    lse = torch.logsumexp(q @ k.transpose(-2, -1) * 0.5, dim=-1)
+    try:
+        out, got_lse = torch.tensor(got[0]).view_as(full), torch.tensor(got[1]).view_as(lse)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise CheckFailed(f"answer has the wrong shape: {exc}") from None
+    ok = torch.allclose(out, full, atol=1e-5) and torch.allclose(got_lse, lse, atol=1e-5)
+    return ok, "equals attention over all keys" if ok else "differs from softmax attention over all keys"
+
+
+def _ep_holds_a_share(ev: Evidence):
+    rec = ev.run("expert_parallel")
+    mine, total, n = (rec.extra.get(k) for k in ("expert_param_bytes", "expert_param_bytes_all_ranks", "ep"))
+    ok = bool(mine) and bool(n) and n > 1 and mine * n == total
+    return ok, f"each rank holds {mine} of {total} expert bytes (ep={n})"
+
+
 def _names_log_loss(ev: Evidence):
     got = ev.answer("09.hang_function")
     ok = isinstance(got, str) and got.strip().strip("()").lower() == "log_loss"
@@ -86,11 +112,19 @@ CHECKS = (
     relation("9.1 bus-bandwidth factors of every collective", 3, _bus_factors, reads=(("answer", "09.bus_factors"),)),
     answer_close("9.2 bubble of interleaved 1F1B at p=4, v=2, m=8", 2, "09.bubble_interleaved_p4_m8",
                  bubble_interleaved, rtol=0.01),
+    relation("context-parallel trains with the single process's losses", 1,
+             losses_agree("context_parallel", "single", 1e-3), reads=(("run", "context_parallel"), ("run", "single"))),
+    relation("expert-parallel trains with the single process's losses on tiny-moe", 1,
+             losses_agree("expert_parallel", "moe_single", 1e-3),
+             reads=(("run", "expert_parallel"), ("run", "moe_single"))),
+    relation("each expert-parallel rank holds 1/N of the expert weights", 1, _ep_holds_a_share,
+             reads=(("run", "expert_parallel"),)),
     answer_equals("9.3a the rank waiting in all_reduce", 1, "09.hang_rank", 0),
     relation("9.3b the function that called it", 1, _names_log_loss, reads=(("answer", "09.hang_function"),)),
     answer_close("9.4 days for 175B on 300B tokens, 1024 A100s, MFU 0.45", 2, "09.days_175b_1024_mfu045",
                  days_175b, rtol=0.01),
     relation("9.5a the cheapest 175B layout within 80 GB", 3, _cheapest_layout,
              reads=(("answer", "09.cheapest_175b_layout"),)),
+    relation("9.6 the ring-attention merge step", 2, _ring_merge, reads=(("answer", "09.ring_merge"),)),
     answer_close("9.5b its cost", 1, "09.cheapest_175b_cost", cheapest_cost, rtol=0.02, visible=False),
 )
