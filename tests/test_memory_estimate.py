@@ -235,3 +235,51 @@ def test_estimate_module_does_not_import_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------- issue 18: LoRA slices, gathered layer
+def test_lora_q_v_on_gpt3_fused_qkv_is_the_lora_papers_18_9m():
+    # Hu et al. 2022, Sec. 7.1: r=4 on Wq and Wv of all 96 layers of GPT-3 175B, "18M" budget (18.9M)
+    est = estimate(MemoryConfig(model="gpt3-175b", lora_rank=4, lora_targets=("q", "v")))
+    assert est.trainable_params == 96 * 2 * 4 * (12288 + 12288) == 18_874_368
+    fused = estimate(MemoryConfig(model="gpt3-175b", lora_rank=4, lora_targets=("qkv",)))
+    assert fused.trainable_params == 96 * 4 * (12288 + 3 * 12288)
+    with pytest.raises(ConfigError, match="overlap"):
+        estimate(MemoryConfig(model="gpt3-175b", lora_rank=4, lora_targets=("qkv", "q")))
+
+
+def test_lora_q_v_cli_on_gpt3():
+    from click.testing import CliRunner
+
+    from labkit.cli.memory import command
+
+    out = CliRunner().invoke(command, ["estimate", "--model", "gpt3-175b", "--lora-rank", "4",
+                                       "--lora-targets", "q,v", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["trainable_params"] == 18_874_368
+
+
+def test_offloaded_params_with_a_bare_count_keep_one_assumed_layer_on_the_gpu():
+    from labkit.memory.estimate import ASSUMED_LAYERS
+
+    n = 2_851_000_000
+    est = estimate(MemoryConfig(params=n, zero=3, dp=8, offload="optimizer+params"))
+    layer = -(-n // ASSUMED_LAYERS)
+    assert est.weights == layer * 2 and est.grads == layer * 2  # not the whole model (11.4 GB before)
+    assert est.total < n * 2 / 8
+    assert any("ASSUMED" in a and "--largest-layer" in a for a in est.assumptions)
+    given = estimate(MemoryConfig(params=n, zero=3, dp=8, offload="optimizer+params", largest_layer=10**8))
+    assert given.weights == 2 * 10**8 and any("(given)" in a for a in given.assumptions)
+
+
+def test_largest_layer_cli_option_is_parsed_and_printed():
+    from click.testing import CliRunner
+
+    from labkit.cli.memory import command
+
+    args = ["estimate", "--params", "2.851e9", "--zero", "3", "--dp", "8", "--offload", "optimizer+params"]
+    out = CliRunner().invoke(command, args + ["--largest-layer", "1e8"])
+    assert out.exit_code == 0, out.output
+    assert "100,000,000 params (given)" in out.output
+    bad = CliRunner().invoke(command, args + ["--largest-layer", "big"])
+    assert bad.exit_code == 2 and "--largest-layer 'big'" in bad.output
