@@ -267,6 +267,26 @@ def test_two_nodes_meet_and_node0_holds_rank0(attempt, target_env, pid_dir, log_
     assert_nothing_left(pid_dir)
 
 
+NOISE = "is an Enum subclass"  # torchao's import-time deprecation, logged by torch's pytree
+
+
+@pytest.mark.slow
+def test_ranks_drop_third_party_import_noise_and_keep_our_warnings(target_env, pid_dir, log_dir):
+    result = launch.run(TARGET, ["noisy"], nproc=2, env=target_env, log_dir=log_dir, timeout_s=SLOW_S, stream=False)
+    rank1 = (Path(result.log_dir) / "1" / "stderr.log").read_text()
+    for text in (result.output, rank1):
+        assert NOISE not in text
+        assert "a warning of our own stays visible" in text
+    assert "rank 0 of 2: sum=3" in result.output
+
+
+@pytest.mark.slow
+def test_notebook_drops_third_party_import_noise(run_cells):
+    nb = run_cells("import labkit\nimport peft\nprint('imported')")
+    text = stream_text(nb.cells[0])
+    assert "imported" in text and NOISE not in text
+
+
 @pytest.mark.slow
 def test_rank0_output_shows_in_a_notebook_cell(run_cells, target_env, log_dir):
     env = {k: v for k, v in target_env.items() if k == "PYTHONPATH"}
