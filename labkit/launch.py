@@ -107,6 +107,11 @@ def _check_args(module: str, nproc: int, nnodes: int, node_rank: int, rdzv_endpo
         raise ConfigError(f"launch module={module!r}; give a module name as for `python -m`, e.g. 'labkit.train'")
 
 
+#: Strategies whose ranks do real CPU work: CPU Adam of offloaded optimizer states (ZeRO-Offload,
+#: FSDP2 CPUOffloadPolicy) or NF4 quantizing of a 4-bit base on load (QLoRA). Issue 14, finding 13.
+CPU_HEAVY_STRATEGIES = frozenset({"fsdp-offload", "zero3-offload", "qlora", "fsdp-qlora", "fsdp-qlora-offload"})
+
+
 def cpu_threads(nproc: int, *, cpu_heavy: bool) -> int:
     """Intra-op threads per rank: 1 (N ranks x all cores oversubscribes the CPU), or cores // nproc
     for ranks doing real CPU work (CPU Adam of ZeRO/FSDP offload, NF4 quantizing of QLoRA)."""

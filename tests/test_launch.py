@@ -114,6 +114,23 @@ def test_bad_arguments_are_config_errors(kwargs, fragment):
         launch.run("m", [], **kwargs)
 
 
+def test_cpu_heavy_runs_get_cores_per_rank_threads(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert launch.cpu_threads(2, cpu_heavy=True) == 4 and launch.cpu_threads(16, cpu_heavy=True) == 1
+    assert launch.cpu_threads(2, cpu_heavy=False) == 1
+    assert launch._child_env(None, 4)["OMP_NUM_THREADS"] == "4"
+    assert launch._child_env({"OMP_NUM_THREADS": "2"}, 4)["OMP_NUM_THREADS"] == "2"  # an explicit env wins
+    assert launch._child_env(None)["OMP_NUM_THREADS"] == "1"
+
+
+def test_cpu_heavy_strategies_are_real_strategy_names():
+    from labkit import parallel
+
+    for name in launch.CPU_HEAVY_STRATEGIES:
+        parallel.strategy_class(name)  # raises for an unknown name
+
+
 def test_free_port_can_be_bound():
     import socket
 
