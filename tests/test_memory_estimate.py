@@ -283,3 +283,22 @@ def test_largest_layer_cli_option_is_parsed_and_printed():
     assert "100,000,000 params (given)" in out.output
     bad = CliRunner().invoke(command, args + ["--largest-layer", "big"])
     assert bad.exit_code == 2 and "--largest-layer 'big'" in bad.output
+
+
+def test_gpu_capacities_have_one_definition_used_everywhere(tmp_path):
+    """Issue 18: the RTX 4090 was 24 GiB in one place and 24e9 B in others; the V100 was missing."""
+    import re
+    from pathlib import Path
+
+    from labkit import oom
+    from labkit.grading.nb_checks import lab05_zero, lab06_peft
+    from labkit.grading.tamper import device_spec
+
+    assert GPU_CAPACITIES["RTX 4090 24GB"] == 24_564 * 2**20 and "V100 32GB" in GPU_CAPACITIES
+    assert lab05_zero.GPU_BYTES == lab06_peft.GPU_BYTES == GPU_CAPACITIES["RTX 4090 24GB"]
+    assert {s[1] for s in oom.scenarios(tmp_path).values()} == {GPU_CAPACITIES["RTX 4090 24GB"]}
+    assert device_spec("NVIDIA GeForce RTX 4090")[1] == GPU_CAPACITIES["RTX 4090 24GB"]
+    root = Path(__file__).resolve().parents[1]
+    stray = [str(p.relative_to(root)) for p in [*root.glob("labkit/**/*.py"), *root.glob("notebooks/*.ipynb")]
+             if re.search(r"\b24e9\b|\b24 \* GB\b|\b24 \* 2\*\*30\b", p.read_text(encoding="utf-8"))]
+    assert stray == [], f"a second definition of the 24 GB GPU in {stray}: use GPU_CAPACITIES"
