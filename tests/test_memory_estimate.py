@@ -302,3 +302,22 @@ def test_gpu_capacities_have_one_definition_used_everywhere(tmp_path):
     stray = [str(p.relative_to(root)) for p in [*root.glob("labkit/**/*.py"), *root.glob("notebooks/*.ipynb")]
              if re.search(r"\b24e9\b|\b24 \* GB\b|\b24 \* 2\*\*30\b", p.read_text(encoding="utf-8"))]
     assert stray == [], f"a second definition of the 24 GB GPU in {stray}: use GPU_CAPACITIES"
+
+
+def test_three_memory_conventions_match_the_libraries_that_state_them():
+    from accelerate.commands.estimate import estimate_training_usage
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    from labkit.memory.conventions import conventions, format_conventions
+
+    spec = model_spec("llama2-7b")
+    p, layer = spec.params, spec.largest_layer
+    rows = {r.name: r.bytes for r in conventions(p, layer)}
+    assert rows["accelerate estimate-memory, float32"] == max(estimate_training_usage(4 * p, "float32").values())
+    assert rows["accelerate estimate-memory, float16"] == max(estimate_training_usage(4 * p, "float16").values())
+    assert rows["DeepSpeed ZeRO-2 estimator, 1 GPU"] == estimate_zero2_model_states_mem_needs(p, 1, 1, cpu_offload=False)[1]
+    assert rows["DeepSpeed ZeRO-3 estimator, 1 GPU"] == estimate_zero3_model_states_mem_needs(
+        p, layer, 1, 1, cpu_offload=False)[1]
+    assert rows["ZeRO paper (2 + 2 + 12)"] == estimate(MemoryConfig(model="llama2-7b")).total
+    assert "20.0" in format_conventions(conventions(p, layer), p)
