@@ -142,7 +142,7 @@ def test_free_port_can_be_bound():
 # ---------------------------------------------------------------- real runs
 @pytest.mark.slow
 def test_success_returns_and_streams_rank0_output(target_env, pid_dir, log_dir, capsys):
-    result = launch.run(TARGET, ["ok"], nproc=2, env=target_env, log_dir=log_dir, timeout_s=120)
+    result = launch.run(TARGET, ["ok"], nproc=2, env=target_env, log_dir=log_dir, timeout_s=SLOW_S)
     assert result.returncode == 0
     assert "rank 0 of 2: sum=3" in result.output
     assert "rank 1" not in result.output  # only rank 0 is shown ...
@@ -154,24 +154,23 @@ def test_success_returns_and_streams_rank0_output(target_env, pid_dir, log_dir, 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["raise", "raise_record"])
 def test_failing_rank_stops_the_job_and_reports_its_traceback(mode, target_env, pid_dir, log_dir):
-    start = time.monotonic()
     with pytest.raises(LaunchError) as info:
-        launch.run(TARGET, [mode], nproc=2, env=target_env, timeout_s=120, stream=False, log_dir=log_dir)
-    elapsed = time.monotonic() - start
+        launch.run(TARGET, [mode], nproc=2, env=target_env, timeout_s=SLOW_S, stream=False, log_dir=log_dir)
     err = info.value
     assert err.rank == 1
     assert "rank 1" in str(err) and "rank 1 exploded on purpose" in str(err)
     assert "Traceback" in err.traceback and "ValueError: rank 1 exploded on purpose" in err.traceback
     assert "Connection closed" not in err.traceback  # rank 0's follow-on error is not the one reported
-    assert elapsed < 60, f"a failed rank must stop the job well before the 120 s timeout (took {elapsed:.0f} s)"
+    assert "did not finish within" not in str(err)  # the failure stopped the job, not the timeout
     assert_nothing_left(pid_dir)
 
 
 @pytest.mark.slow
 def test_timeout_kills_every_rank(target_env, pid_dir, log_dir):
     # rank 1 ignores SIGTERM and sleeps; rank 0 waits for it in a barrier: only the timeout ends this.
-    with pytest.raises(LaunchError, match=r"timeout_s=30") as info:
-        launch.run(TARGET, ["hang"], nproc=2, env=target_env, timeout_s=30, stream=False, log_dir=log_dir)
+    # 60 s: on a busy 2-core machine the ranks must get through `import torch` and the all-reduce first
+    with pytest.raises(LaunchError, match=r"timeout_s=60") as info:
+        launch.run(TARGET, ["hang"], nproc=2, env=target_env, timeout_s=60, stream=False, log_dir=log_dir)
     assert info.value.rank is None
     assert "rank 0 of 2: sum=3" in info.value.output
     assert_nothing_left(pid_dir)
