@@ -240,6 +240,25 @@ def test_killed_cli_leaves_no_rank(tmp_path):
 
 
 @pytest.mark.slow
+def test_killed_caller_of_accelerate_launch_leaves_no_rank(tmp_path):
+    code = (f"from labkit.parallel import accelerate_fsdp\n"
+            f"accelerate_fsdp.run('fsdp', 'tiny-llama', steps=100000, out={str(tmp_path / 'runs')!r})")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def ranks() -> list[psutil.Process]:
+            return [c for c in psutil.Process(proc.pid).children(recursive=True)
+                    if "labkit.parallel.accelerate_fsdp" in " ".join(c.cmdline())]
+        # >= 3: accelerate launch itself (its command line names the module too) and two ranks
+        wait_for(lambda: len(ranks()) >= 3 or proc.poll() is not None, SLOW_S, "accelerate's ranks did not start")
+        descendants = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_for(lambda: not [p for p in descendants if running(p)], GONE_S,
+             f"accelerate or its ranks outlived the killed caller: {[p for p in descendants if running(p)]}")
+
+
+@pytest.mark.slow
 def test_killed_kernel_leaves_no_rank(target_env, pid_dir, log_dir):
     from jupyter_client.manager import KernelManager
 
