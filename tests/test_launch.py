@@ -232,6 +232,7 @@ def test_killed_cli_leaves_no_rank(tmp_path):
         wait_for(lambda: len(ranks()) >= 2 or proc.poll() is not None, SLOW_S, "the CLI's ranks did not start")
         assert proc.poll() is None, (tmp_path / "cli.log").read_text()[-2000:]
         descendants = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(descendants) >= 3, "torchrun and two ranks"
     finally:
         proc.kill()
         proc.wait()
@@ -250,7 +251,9 @@ def test_killed_caller_of_accelerate_launch_leaves_no_rank(tmp_path):
                     if "labkit.parallel.accelerate_fsdp" in " ".join(c.cmdline())]
         # >= 3: accelerate launch itself (its command line names the module too) and two ranks
         wait_for(lambda: len(ranks()) >= 3 or proc.poll() is not None, SLOW_S, "accelerate's ranks did not start")
+        assert proc.poll() is None, "the run ended before it could be killed"
         descendants = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(descendants) >= 3
     finally:
         proc.kill()
         proc.wait()
