@@ -63,3 +63,7 @@ def test_nvidia_resnet50_reference_states_its_batch_and_input_pipeline():
 def test_published_figures_name_their_source():
     assert "Zach Mueller" in text("04") and "Zach Mueller" in text("05")  # the 72 h offload figure
     assert "DeepLearningExamples" in text("02")
+
+
+def test_nvidia_figures_name_the_document():
+    assert "DeepLearningExamples" in text("03") and "NVIDIA A100 datasheet" in text("02")
