@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from labkit.errors import ConfigError, choices_error
 from labkit.memory import activations as act
-from labkit.memory.params import Linear, ModelSpec, model_spec, params_spec
+from labkit.memory.params import FUSED_SLICES, ModelSpec, lora_units, model_spec, params_spec
 
 #: precision -> (bytes per weight and per gradient, bytes of the fp32 master copy)
 PRECISIONS = {"fp32": (4, 0), "bf16": (2, 0), "fp16": (2, 0), "mixed-bf16": (2, 4), "mixed-fp16": (2, 4)}
@@ -52,8 +52,6 @@ DEFAULT_SEQ = 2048
 #: With only a parameter count, the largest unit ZeRO-3 gathers is assumed to be one transformer layer
 #: of a 32-layer model (Llama-2-7B, GPT-3 2.7B/6.7B: Brown et al. 2020, Table 2.1): params / 32.
 ASSUMED_LAYERS = 32
-#: Fused projections LoRA may also target slice by slice: fused name -> slice names (equal widths).
-FUSED_SLICES = {"qkv": ("q_proj", "k_proj", "v_proj")}
 
 
 def _positive(name: str, value, *, allow_none: bool = False) -> None:
@@ -227,17 +225,6 @@ def _spec(model: str) -> ModelSpec:
 
 def spec_of(cfg: MemoryConfig) -> ModelSpec:
     return _spec(cfg.model) if cfg.model is not None else params_spec(cfg.params)
-
-
-def lora_units(spec: ModelSpec) -> dict[str, Linear]:
-    """Every linear LoRA can target, by name. A fused projection (GPT-3's qkv) also offers its slices:
-    the LoRA paper adapts Wq and Wv of GPT-3 175B separately (Hu et al. 2022, Sec. 7.1: r=4 on Wq, Wv
-    of 96 layers = 96 x 2 x 4 x (12288 + 12288) = 18,874,368 = "18.9M")."""
-    units = {lin.name: lin for lin in spec.linears}
-    for lin in spec.linears:
-        for name in FUSED_SLICES.get(lin.name, ()):
-            units[name] = Linear(name, lin.fan_in, lin.fan_out // len(FUSED_SLICES[lin.name]), lin.count, lin.bias)
-    return units
 
 
 def lora_params(spec: ModelSpec, cfg: MemoryConfig) -> int:
