@@ -261,3 +261,10 @@ def scenarios(folder) -> dict[str, tuple[MemoryConfig, float, float, str]]:
                         "Llama-2-70B fine-tune on two 24 GB RTX 4090s (Answer.AI 2024, FSDP + QLoRA; "
                         "talk 'Slaying OOMs with PyTorch FSDP and torchao', Saroufim & Xu 2024)"),
     }
+
+
+def ddp_vs_fsdp(model: str, dp: int, seq: int, *, batch: int = 1) -> dict[str, Estimate]:
+    """Per-GPU estimates of DDP and FSDP FULL_SHARD for `model` on `dp` GPUs (mixed bf16, full
+    checkpointing, `batch` x `seq` per GPU): notebook 04's "DDP runs out of memory where FSDP fits"."""
+    common = dict(model=model, dp=dp, batch=batch, seq=seq, checkpointing="full")
+    return {"ddp": estimate(MemoryConfig(**common)), "fsdp": estimate(MemoryConfig.for_fsdp("full_shard", **common))}

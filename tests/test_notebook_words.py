@@ -67,3 +67,8 @@ def test_published_figures_name_their_source():
 
 def test_nvidia_figures_name_the_document():
     assert "DeepLearningExamples" in text("03") and "NVIDIA A100 datasheet" in text("02")
+
+
+def test_fsdp_notebook_shows_where_ddp_runs_out_of_memory():
+    code = text("04", "code")
+    assert 'oom.ddp_vs_fsdp("llama2-7b"' in code and "--strategy {name} --model llama2-7b" in code
