@@ -1,4 +1,7 @@
 """labkit: helpers for the course."""
+from labkit import quiet as _quiet
+
+_quiet.install()  # third-party import noise a student cannot act on (labkit.quiet says which)
 
 
 def free_gpu_memory() -> None:

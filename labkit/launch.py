@@ -4,7 +4,9 @@
 and gives back rank 0's output (streamed live while it runs, so a notebook cell shows it) or raises
 `LaunchError` naming the rank that failed first and carrying its traceback. It never hangs: torchrun
 stops the surviving ranks when one fails, and a wall-clock timeout (or Ctrl-C / the notebook's
-interrupt button) kills the whole process tree, SIGTERM first and SIGKILL after a grace period.
+interrupt button) kills the whole process tree, SIGTERM first and SIGKILL after a grace period
+(a short one on interrupt: control is back within seconds). If the launcher itself dies without
+cleaning up (SIGKILL, a kernel restart), `labkit.rank_guard` takes torchrun and every rank down with it.
 
 Rank logs: torchrun's `--log-dir` + `--redirects 3` writes `<log_dir>/<run_id>_*/attempt_0/<local_rank>/`
 `{stdout.log, stderr.log, error.json}`; `error.json` exists when the entry point is decorated with
@@ -32,10 +34,15 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from labkit import rank_guard
 from labkit.errors import ConfigError, LaunchError
 
-#: Seconds between SIGTERM and SIGKILL when a run is stopped (timeout, interrupt).
+#: Seconds between SIGTERM and SIGKILL when a run times out.
 KILL_GRACE_S = 5.0
+#: ... and when the user interrupts (Ctrl-C, Jupyter's interrupt button): control back fast.
+INTERRUPT_GRACE_S = 1.5
+#: Ranks start as `python -m RANK_ENTRY MODULE ARGS` (parent-death guard + quiet imports, then MODULE).
+RANK_ENTRY = "labkit.rank_guard"
 _POLL_S = 0.1
 
 
@@ -70,7 +77,7 @@ def torchrun_command(module: str, args: list[str], *, nproc: int, nnodes: int = 
         # could land on any node; labkit streams and writes results from node 0, so node 0 must hold
         # ranks 0..nproc-1. Node 0 hosts the TCPStore at the endpoint (the head node in the job files).
         cmd += ["--node-rank", str(node_rank), "--rdzv-backend", "static", "--rdzv-endpoint", str(rdzv_endpoint)]
-    return cmd + ["-m", module, *map(str, args)]
+    return cmd + ["-m", RANK_ENTRY, module, *map(str, args)]
 
 
 def _run_id(module: str, nnodes: int, rdzv_endpoint: str | None) -> str:
@@ -100,11 +107,26 @@ def _check_args(module: str, nproc: int, nnodes: int, node_rank: int, rdzv_endpo
         raise ConfigError(f"launch module={module!r}; give a module name as for `python -m`, e.g. 'labkit.train'")
 
 
-def _child_env(env: dict | None) -> dict[str, str]:
+#: Strategies whose ranks do real CPU work: CPU Adam of offloaded optimizer states (ZeRO-Offload,
+#: FSDP2 CPUOffloadPolicy) or NF4 quantizing of a 4-bit base on load (QLoRA). Issue 14, finding 13.
+CPU_HEAVY_STRATEGIES = frozenset({"fsdp-offload", "zero3-offload", "qlora", "fsdp-qlora", "fsdp-qlora-offload"})
+
+
+def cpu_threads(nproc: int, *, cpu_heavy: bool) -> int:
+    """Intra-op threads per rank: 1 (N ranks x all cores oversubscribes the CPU), or cores // nproc
+    for ranks doing real CPU work (CPU Adam of ZeRO/FSDP offload, NF4 quantizing of QLoRA)."""
+    if not cpu_heavy:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, nproc))
+
+
+def _child_env(env: dict | None, threads: int | None = None) -> dict[str, str]:
     child = dict(os.environ)
+    if threads is not None:
+        child["OMP_NUM_THREADS"] = str(threads)
     child.update({k: str(v) for k, v in (env or {}).items()})
-    # One intra-op thread per rank unless asked otherwise: N ranks x all cores oversubscribes the CPU.
-    child.setdefault("OMP_NUM_THREADS", "1")
+    child.setdefault("OMP_NUM_THREADS", "1")  # one intra-op thread per rank unless asked otherwise
     # Ranks write to log files, which Python block-buffers; unbuffered output makes the live view live.
     child.setdefault("PYTHONUNBUFFERED", "1")
     return child
@@ -238,12 +260,13 @@ def _wait(proc: subprocess.Popen, timeout_s: float) -> int | None:
 
 def run(module: str, args: list[str], *, nproc: int, timeout_s: float = 600, env: dict | None = None,
         nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None, log_dir: str | None = None,
-        stream: bool = True) -> LaunchResult:
+        stream: bool = True, threads: int | None = None) -> LaunchResult:
     """Run `python -m module *args` on `nproc` ranks per node under torchrun.
 
     Streams local rank 0's output live (when `stream` and this is node 0), returns a `LaunchResult`
     on success, raises `LaunchError` (with `.rank`, `.traceback`, `.output`) when a rank fails or the
-    run exceeds `timeout_s`; in every case no rank is left running on this node.
+    run exceeds `timeout_s`; in every case no rank is left running on this node. `threads` sets
+    OMP_NUM_THREADS per rank (default: the caller's, else 1; see `cpu_threads`); `env` wins over it.
     """
     _check_args(module, nproc, nnodes, node_rank, rdzv_endpoint, timeout_s)
     root = os.path.abspath(log_dir) if log_dir else tempfile.mkdtemp(prefix="labkit-launch-")
@@ -254,22 +277,27 @@ def run(module: str, args: list[str], *, nproc: int, timeout_s: float = 600, env
     cmd = torchrun_command(module, list(args), nproc=nproc, nnodes=nnodes, node_rank=node_rank,
                            rdzv_endpoint=rdzv_endpoint, log_dir=root, run_id=run_id)
     pattern = os.path.join(glob.escape(root), f"{run_id}_*", "attempt_*", "0")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=_child_env(env), start_new_session=True)
+    # New session: a terminal's Ctrl-C reaches only us, and we stop the job in order. `guarded`: if
+    # we die without doing so, the kernel kills torchrun, and torchrun's ranks follow (rank_guard).
+    # This thread forks torchrun and stays in this function until torchrun is gone (see rank_guard).
+    proc = subprocess.Popen(rank_guard.guarded(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env=_child_env(env, threads), start_new_session=True)
     reader, tail = _Reader(proc.stdout), _RankTail(pattern, echo=stream and node_rank == 0)
     reader.start()
     tail.start()
+    join_s = 10.0
     try:
         code = _wait(proc, timeout_s)
         if code is None:
             _kill_tree(proc)
-    except BaseException:  # KeyboardInterrupt in a notebook: never leave ranks behind
-        _kill_tree(proc)
+    except BaseException:  # KeyboardInterrupt in a notebook: never leave ranks behind, and be quick
+        join_s = 1.0
+        _kill_tree(proc, grace_s=INTERRUPT_GRACE_S)
         raise
     finally:
         tail.done.set()
-        tail.join(timeout=10)
-        reader.join(timeout=10)
+        tail.join(timeout=join_s)
+        reader.join(timeout=join_s)
         proc.stdout.close()
     attempt = _attempt_dir(root, run_id)
     if code is None:

@@ -23,8 +23,10 @@ from typing import Callable
 
 from labkit.errors import ConfigError
 from labkit.memory.estimate import Estimate, MemoryConfig, estimate, spec_of
+from labkit.memory.report import GPU_CAPACITIES
 
 GB = 1e9
+RTX_4090 = GPU_CAPACITIES["RTX 4090 24GB"]
 PARTS = ("weights", "grads", "optimizer", "activations")
 
 
@@ -252,9 +254,17 @@ def llama2_70b_config(folder) -> str:
 def scenarios(folder) -> dict[str, tuple[MemoryConfig, float, float, str]]:
     """The course's OOM scenarios: name -> (config, GPU bytes, host bytes, title). Host RAM is an assumption."""
     return {
-        "7b-on-4090": (MemoryConfig(model="llama2-7b", precision="fp32", batch=4, seq=2048), 24 * GB, 64 * GB,
-                       "Llama-2-7B full fine-tune, one RTX 4090 24 GB (seed 003)"),
+        "7b-on-4090": (MemoryConfig(model="llama2-7b", precision="fp32", batch=4, seq=2048), RTX_4090, 64 * GB,
+                       "Llama-2-7B full fine-tune (~112 GB of weights, grads and Adam states), one 24 GB RTX 4090"),
         "70b-on-2x24": (MemoryConfig(model=llama2_70b_config(folder), precision="mixed-bf16", dp=2, gpus=2,
-                                     batch=1, seq=2048), 24 * GB, 128 * GB,
-                        "Llama-2-70B fine-tune, two 24 GB GPUs (seed 000: FSDP + QLoRA)"),
+                                     batch=1, seq=2048), RTX_4090, 128 * GB,
+                        "Llama-2-70B fine-tune on two 24 GB RTX 4090s (Answer.AI 2024, FSDP + QLoRA; "
+                        "talk 'Slaying OOMs with PyTorch FSDP and torchao', Saroufim & Xu 2024)"),
     }
+
+
+def ddp_vs_fsdp(model: str, dp: int, seq: int, *, batch: int = 1) -> dict[str, Estimate]:
+    """Per-GPU estimates of DDP and FSDP FULL_SHARD for `model` on `dp` GPUs (mixed bf16, full
+    checkpointing, `batch` x `seq` per GPU): notebook 04's "DDP runs out of memory where FSDP fits"."""
+    common = dict(model=model, dp=dp, batch=batch, seq=seq, checkpointing="full")
+    return {"ddp": estimate(MemoryConfig(**common)), "fsdp": estimate(MemoryConfig.for_fsdp("full_shard", **common))}

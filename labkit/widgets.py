@@ -148,3 +148,23 @@ def memory_calculator(model: str = "llama2-7b", *, gpu: str = "RTX 4090 24GB", i
         calc.controls = _controls(calc)
         display(calc.controls)
     return calc
+
+
+def planner_widget(**options: Any):
+    """`labkit.planner.planner_widget` that also prints the first ranking as ordinary output, so a saved
+    or papermill-run notebook shows it (an ipywidgets Output keeps its text in widget state only).
+    Introduced in notebook 07_model_parallel."""
+    import inspect
+
+    from labkit import planner
+
+    bound = inspect.signature(planner.planner_widget).bind(**options)
+    bound.apply_defaults()
+    fields = {f.name for f in dataclasses.fields(planner.PlanRequest)}
+    request = {k: v for k, v in bound.arguments.items() if k in fields}
+    request["batch"] = request.get("batch") or None
+    try:
+        print(planner.format_plan(planner.plan(planner.PlanRequest(**request)), top=8))  # the form shows 8
+    except ConfigError as exc:
+        print(f"error: {exc}")
+    return planner.planner_widget(**options)

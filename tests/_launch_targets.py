@@ -2,7 +2,8 @@
 
 MODE: ok (all-reduce, rank 0 prints the sum), raise (rank 1 raises while rank 0 waits in a barrier),
 raise_record (the same with the entry point decorated with torchelastic's @record), hang (rank 1
-ignores SIGTERM and sleeps forever while rank 0 waits in a barrier). With LABKIT_TEST_PID_DIR set,
+ignores SIGTERM and sleeps forever while rank 0 waits in a barrier), noisy (imports peft, whose
+torchao import logs deprecations, then warns as labkit would). With LABKIT_TEST_PID_DIR set,
 each rank writes its pid there so a test can check that no rank outlives the launcher.
 """
 import os
@@ -16,6 +17,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 
 def main(mode: str) -> None:
+    if mode == "noisy":
+        import warnings
+
+        import peft  # noqa: F401  (pulls in torchao)
+        warnings.warn("labkit: a warning of our own stays visible", UserWarning)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     pid_dir = os.environ.get("LABKIT_TEST_PID_DIR")

@@ -235,3 +235,89 @@ def test_estimate_module_does_not_import_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------- issue 18: LoRA slices, gathered layer
+def test_lora_q_v_on_gpt3_fused_qkv_is_the_lora_papers_18_9m():
+    # Hu et al. 2022, Sec. 7.1: r=4 on Wq and Wv of all 96 layers of GPT-3 175B, "18M" budget (18.9M)
+    est = estimate(MemoryConfig(model="gpt3-175b", lora_rank=4, lora_targets=("q", "v")))
+    assert est.trainable_params == 96 * 2 * 4 * (12288 + 12288) == 18_874_368
+    fused = estimate(MemoryConfig(model="gpt3-175b", lora_rank=4, lora_targets=("qkv",)))
+    assert fused.trainable_params == 96 * 4 * (12288 + 3 * 12288)
+    with pytest.raises(ConfigError, match="overlap"):
+        estimate(MemoryConfig(model="gpt3-175b", lora_rank=4, lora_targets=("qkv", "q")))
+
+
+def test_lora_q_v_cli_on_gpt3():
+    from click.testing import CliRunner
+
+    from labkit.cli.memory import command
+
+    out = CliRunner().invoke(command, ["estimate", "--model", "gpt3-175b", "--lora-rank", "4",
+                                       "--lora-targets", "q,v", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["trainable_params"] == 18_874_368
+
+
+def test_offloaded_params_with_a_bare_count_keep_one_assumed_layer_on_the_gpu():
+    from labkit.memory.estimate import ASSUMED_LAYERS
+
+    n = 2_851_000_000
+    est = estimate(MemoryConfig(params=n, zero=3, dp=8, offload="optimizer+params"))
+    layer = -(-n // ASSUMED_LAYERS)
+    assert est.weights == layer * 2 and est.grads == layer * 2  # not the whole model (11.4 GB before)
+    assert est.total < n * 2 / 8
+    assert any("ASSUMED" in a and "--largest-layer" in a for a in est.assumptions)
+    given = estimate(MemoryConfig(params=n, zero=3, dp=8, offload="optimizer+params", largest_layer=10**8))
+    assert given.weights == 2 * 10**8 and any("(given)" in a for a in given.assumptions)
+
+
+def test_largest_layer_cli_option_is_parsed_and_printed():
+    from click.testing import CliRunner
+
+    from labkit.cli.memory import command
+
+    args = ["estimate", "--params", "2.851e9", "--zero", "3", "--dp", "8", "--offload", "optimizer+params"]
+    out = CliRunner().invoke(command, args + ["--largest-layer", "1e8"])
+    assert out.exit_code == 0, out.output
+    assert "100,000,000 params (given)" in out.output
+    bad = CliRunner().invoke(command, args + ["--largest-layer", "big"])
+    assert bad.exit_code == 2 and "--largest-layer 'big'" in bad.output
+
+
+def test_gpu_capacities_have_one_definition_used_everywhere(tmp_path):
+    """Issue 18: the RTX 4090 was 24 GiB in one place and 24e9 B in others; the V100 was missing."""
+    import re
+    from pathlib import Path
+
+    from labkit import oom
+    from labkit.grading.nb_checks import lab05_zero, lab06_peft
+    from labkit.grading.tamper import device_spec
+
+    assert GPU_CAPACITIES["RTX 4090 24GB"] == 24_564 * 2**20 and "V100 32GB" in GPU_CAPACITIES
+    assert lab05_zero.GPU_BYTES == lab06_peft.GPU_BYTES == GPU_CAPACITIES["RTX 4090 24GB"]
+    assert {s[1] for s in oom.scenarios(tmp_path).values()} == {GPU_CAPACITIES["RTX 4090 24GB"]}
+    assert device_spec("NVIDIA GeForce RTX 4090")[1] == GPU_CAPACITIES["RTX 4090 24GB"]
+    root = Path(__file__).resolve().parents[1]
+    stray = [str(p.relative_to(root)) for p in [*root.glob("labkit/**/*.py"), *root.glob("notebooks/*.ipynb")]
+             if re.search(r"\b24e9\b|\b24 \* GB\b|\b24 \* 2\*\*30\b", p.read_text(encoding="utf-8"))]
+    assert stray == [], f"a second definition of the 24 GB GPU in {stray}: use GPU_CAPACITIES"
+
+
+def test_three_memory_conventions_match_the_libraries_that_state_them():
+    from accelerate.commands.estimate import estimate_training_usage
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    from labkit.memory.conventions import conventions, format_conventions
+
+    spec = model_spec("llama2-7b")
+    p, layer = spec.params, spec.largest_layer
+    rows = {r.name: r.bytes for r in conventions(p, layer)}
+    assert rows["accelerate estimate-memory, float32"] == max(estimate_training_usage(4 * p, "float32").values())
+    assert rows["accelerate estimate-memory, float16"] == max(estimate_training_usage(4 * p, "float16").values())
+    assert rows["DeepSpeed ZeRO-2 estimator, 1 GPU"] == estimate_zero2_model_states_mem_needs(p, 1, 1, cpu_offload=False)[1]
+    assert rows["DeepSpeed ZeRO-3 estimator, 1 GPU"] == estimate_zero3_model_states_mem_needs(
+        p, layer, 1, 1, cpu_offload=False)[1]
+    assert rows["ZeRO paper (2 + 2 + 12)"] == estimate(MemoryConfig(model="llama2-7b")).total - 2 * spec.buffers
+    assert "20.0" in format_conventions(conventions(p, layer), p)

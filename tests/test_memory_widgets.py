@@ -49,3 +49,12 @@ def test_memory_stack_draws_four_parts_per_bar():
     assert len(ax.containers) == 4 and all(len(c) == 2 for c in ax.containers)
     tops = [sum(c[i].get_height() for c in ax.containers) for i in range(2)]
     assert tops == pytest.approx([r.total / 1e9 for r in results.values()])
+
+
+@pytest.mark.slow
+def test_planner_widget_prints_its_first_ranking_as_ordinary_output(run_cells):
+    from conftest import stream_text
+
+    nb = run_cells("from labkit.widgets import planner_widget\nform = planner_widget()")
+    cell = nb.cells[0]
+    assert "layout(s) fit" in stream_text(cell)  # a papermill-run notebook keeps this

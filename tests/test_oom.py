@@ -80,3 +80,13 @@ def test_each_lever_is_measured_on_the_smoke_model_where_this_machine_can(measur
     assert nf4["what"] == "weights" and nf4["after"] < 0.7 * nf4["before"]
     assert "estimated only" in measured["shard over the GPUs (FSDP full_shard / ZeRO-3)"]["note"]
     assert "measured on tiny-llama" in measured_70b.text
+
+
+@pytest.mark.parametrize("profile, gpu", [("a100x4", "A100 80GB"), ("v100x4", "V100 32GB")])
+def test_llama2_7b_ddp_does_not_fit_where_fsdp_does_on_the_gpu_profiles(profile, gpu):
+    from labkit.memory.report import GPU_CAPACITIES
+    from labkit.profiles import get_profile
+
+    prof = get_profile(profile)
+    pair = oom.ddp_vs_fsdp("llama2-7b", prof.nproc, prof.seq_len)
+    assert not pair["ddp"].fits(GPU_CAPACITIES[gpu]) and pair["fsdp"].fits(GPU_CAPACITIES[gpu])

@@ -17,22 +17,25 @@ from labkit.memory.estimate import (CHECKPOINTING, FSDP_STRATEGIES, OFFLOADS, OP
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
 
-def parse_count(text: str) -> int:
+def parse_count(text: str, option: str = "--params") -> int:
     """'7000000000', '7e9', '7.5B', '175b' -> int."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbgt]?)\s*", str(text).lower())
     if not m:
-        raise ConfigError(f"--params {text!r} is not a parameter count; write e.g. 7000000000, 7e9 or 7B")
+        raise ConfigError(f"{option} {text!r} is not a parameter count; write e.g. 7000000000, 7e9 or 7B")
     value = float(m.group(1)) * _SUFFIX[m.group(2)]
-    if value < 1 or value != int(value):
-        raise ConfigError(f"--params {text!r} must be a positive whole number of parameters")
+    if value < 1 or value != round(value):
+        raise ConfigError(f"{option} {text!r} must be a positive whole number of parameters")
+    value = round(value)
     return int(value)
 
 
 def config_from_options(*, model=None, params=None, fsdp=None, node_size=0, lora_targets="q_proj,v_proj",
-                        zero=None, **fields) -> MemoryConfig:
+                        zero=None, largest_layer=None, **fields) -> MemoryConfig:
     """The pure core of all three commands: CLI option values -> a validated MemoryConfig."""
     if params is not None:
         params = parse_count(params)
+    if largest_layer is not None:
+        fields["largest_layer"] = parse_count(largest_layer, "--largest-layer")
     fields = {k: v for k, v in fields.items() if v is not None}
     targets = tuple(t for t in lora_targets.split(",") if t.strip())
     if fsdp is not None:
@@ -71,9 +74,11 @@ def _options(fn):
         click.option("--ep", type=int, help="Expert-parallel degree for MoE models, divides dp (default 1)."),
         click.option("--gpus", type=int, help="Total GPUs; must equal dp*tp*pp*cp."),
         click.option("--offload", type=choice(OFFLOADS), help="Default none."),
+        click.option("--largest-layer", help="Params of the largest layer ZeRO-3 gathers (offloaded params); "
+                     "default: the model's, or params/32 with --params."),
         click.option("--lora-rank", type=int, help="LoRA rank r (0 = full fine-tune)."),
         click.option("--lora-targets", default="q_proj,v_proj", show_default=True,
-                     help="Comma-separated linear names (q,v,... or all-linear)."),
+                     help="Comma-separated linear names (q,v,... or all-linear; q/k/v slice a fused qkv)."),
         click.option("--quant", type=choice(QUANTS), help="Base quantization with LoRA (QLoRA)."),
         click.option("--batch", type=int, help="Samples per GPU per step; omitted = model states only."),
         click.option("--seq", type=int, help="Sequence length (default min(context, 2048))."),

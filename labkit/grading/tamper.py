@@ -16,13 +16,15 @@ from typing import Any
 
 from labkit.grading.evidence import Recorded, cell_number, collect
 from labkit.grading.fingerprint import cell_sha256, seal_problem
+from labkit.memory.report import GPU_CAPACITIES
 
 #: (pattern in the device name, dense peak TFLOPS at 16-bit on tensor cores, memory GiB): upper bounds of
 #: each family (the fastest/largest variant), from the vendors' datasheets. First match wins.
 DEVICE_SPECS: tuple[tuple[str, float, float], ...] = (
     (r"B200", 2250.0, 192.0), (r"H200", 989.0, 141.0), (r"H100", 989.0, 96.0), (r"GH200", 989.0, 144.0),
     (r"A100", 312.0, 80.0), (r"A800", 312.0, 80.0), (r"L40", 362.0, 48.0), (r"\bL4\b", 121.0, 24.0),
-    (r"A10G?\b", 125.0, 24.0), (r"V100", 125.0, 32.0), (r"T4\b", 65.0, 16.0), (r"4090", 330.0, 24.0),
+    (r"A10G?\b", 125.0, 24.0), (r"V100", 125.0, GPU_CAPACITIES["V100 32GB"] / 2**30), (r"T4\b", 65.0, 16.0),
+    (r"4090", 330.0, GPU_CAPACITIES["RTX 4090 24GB"] / 2**30),
     (r"3090", 142.0, 24.0), (r"MI300", 1307.0, 192.0), (r"MI250", 383.0, 128.0),
 )
 #: A generous bound for one CPU socket (AMX bf16 on many cores): a CPU 'rank' cannot beat this.

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from labkit.errors import ConfigError, choices_error
 from labkit.memory import activations as act
-from labkit.memory.params import ModelSpec, model_spec, params_spec
+from labkit.memory.params import FUSED_SLICES, ModelSpec, lora_units, model_spec, params_spec
 
 #: precision -> (bytes per weight and per gradient, bytes of the fp32 master copy)
 PRECISIONS = {"fp32": (4, 0), "bf16": (2, 0), "fp16": (2, 0), "mixed-bf16": (2, 4), "mixed-fp16": (2, 4)}
@@ -53,6 +53,9 @@ CHECKPOINTING = ("none", "selective", "full")
 LORA_ALIASES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
                 "up": "up_proj", "down": "down_proj"}
 DEFAULT_SEQ = 2048
+#: With only a parameter count, the largest unit ZeRO-3 gathers is assumed to be one transformer layer
+#: of a 32-layer model (Llama-2-7B, GPT-3 2.7B/6.7B: Brown et al. 2020, Table 2.1): params / 32.
+ASSUMED_LAYERS = 32
 
 
 def _positive(name: str, value, *, allow_none: bool = False) -> None:
@@ -105,7 +108,7 @@ class MemoryConfig:
     lora_rank: int = 0
     """0 = full fine-tune; r > 0 = LoRA of rank r on a frozen base."""
     lora_targets: tuple = ("q_proj", "v_proj")
-    """Linear-layer names LoRA adapts ('q', 'v' and 'all-linear' are accepted)."""
+    """Linear-layer names LoRA adapts ('q', 'v' and 'all-linear' are accepted; q/k/v also on a fused qkv)."""
     quant: str = "none"
     """Base-weight quantization with LoRA: none, int8, nf4, nf4-dq (double quantization)."""
     batch: int | None = None
@@ -120,6 +123,9 @@ class MemoryConfig:
     """Fused (flash/SDPA) attention: no (b, heads, s, s) matrices are kept."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (splits the norm regions over tp too)."""
+    largest_layer: int | None = None
+    """Parameters of the largest unit ZeRO-3 gathers at once (offloaded params); None = the model's
+    largest block / embedding, or params / ASSUMED_LAYERS when only a count is given."""
 
     def __post_init__(self) -> None:
         if (self.model is None) == (self.params is None):
@@ -135,7 +141,7 @@ class MemoryConfig:
             raise choices_error("zero stage", self.zero, ("0", "1", "2", "3"))
         for name in ("dp", "tp", "pp", "cp", "ep", "grad_accum"):
             _positive(name, getattr(self, name))
-        for name in ("gpus", "batch", "seq"):
+        for name in ("gpus", "batch", "seq", "largest_layer"):
             _positive(name, getattr(self, name), allow_none=True)
         if self.gpus is not None:
             check_topology(self.dp, self.tp, self.pp, self.gpus, self.cp)
@@ -238,14 +244,18 @@ def lora_params(spec: ModelSpec, cfg: MemoryConfig) -> int:
     if not spec.linears:
         raise ConfigError(f"LoRA needs the linear layers of the model; {spec.name!r} ({spec.kind}) has none "
                           "modelled: use an LLM preset or a Llama-style config.json")
-    names = {lin.name for lin in spec.linears}
-    targets = names if "all-linear" in cfg.lora_targets else set(cfg.lora_targets)
-    unknown = sorted(targets - names)
+    units = lora_units(spec)
+    targets = set(lora_targets(spec, cfg))
+    unknown = sorted(targets - set(units))
     if unknown:
         raise ConfigError(f"unknown LoRA target(s) {unknown} for {spec.name}; valid targets are: "
-                          f"{', '.join(sorted(names))} (or all-linear)")
-    return sum(cfg.lora_rank * (lin.fan_in + lin.fan_out) * lin.count for lin in spec.linears
-               if lin.name in targets)
+                          f"{', '.join(sorted(units))} (or all-linear)")
+    for fused, slices in FUSED_SLICES.items():
+        both = sorted(targets & set(slices))
+        if fused in targets and both:
+            raise ConfigError(f"LoRA targets {fused!r} and {both} overlap ({fused} is the fused {','.join(slices)}); "
+                              f"give {fused} or its slices, not both")
+    return sum(cfg.lora_rank * (units[t].fan_in + units[t].fan_out) * units[t].count for t in targets)
 
 
 def _quant_bytes(spec: ModelSpec, quant: str, wb: int) -> int:
@@ -331,7 +341,7 @@ def _shard(parts: dict, spec: ModelSpec, cfg: MemoryConfig, trainable: int, note
     if cfg.offload == "optimizer+params":
         wb = PRECISIONS[cfg.precision][0]
         cpu += parts["weights"] + parts["grads"]
-        layer = math.ceil(spec.largest_layer * share)  # one gathered unit stays on the GPU
+        layer = math.ceil(largest_layer(spec, cfg, notes) * share)  # one gathered unit stays on the GPU
         parts["weights"] = layer * wb
         parts["grads"] = min(layer, trainable) * wb
         notes.append(f"offload params: GPU keeps one gathered layer ({layer:,} params) of weights and grads")
@@ -346,6 +356,19 @@ def _expert_fraction(spec: ModelSpec, cfg: MemoryConfig, notes: list) -> float:
     if cfg.ep > 1:
         notes.append(f"ep={cfg.ep}: each GPU holds 1/{cfg.ep} of the experts ({spec.expert_params:,} parameters)")
     return spec.expert_params / spec.params if spec.expert_params else 0.0  # of the trainable parameters
+
+
+def largest_layer(spec: ModelSpec, cfg: MemoryConfig, notes: list) -> int:
+    """Parameters of the largest unit gathered at once: given, from the model, or assumed (noted)."""
+    if cfg.largest_layer is not None:
+        notes.append(f"largest gathered layer: {cfg.largest_layer:,} params (given)")
+        return min(cfg.largest_layer, spec.params)
+    if spec.kind == "params":
+        layer = math.ceil(spec.params / ASSUMED_LAYERS)
+        notes.append(f"largest gathered layer ASSUMED = params / {ASSUMED_LAYERS} = {layer:,} (one layer of a "
+                     f"{ASSUMED_LAYERS}-layer transformer); give --largest-layer N (or --model) for yours")
+        return layer
+    return spec.largest_layer
 
 
 def _activations(spec: ModelSpec, cfg: MemoryConfig, notes: list) -> int:

@@ -60,6 +60,21 @@ class ModelSpec:
         return max(self.block, self.embed, self.head, 1) if self.kind != "params" else self.params
 
 
+#: Fused projections LoRA may also target slice by slice: fused name -> slice names (equal widths).
+FUSED_SLICES = {"qkv": ("q_proj", "k_proj", "v_proj")}
+
+
+def lora_units(spec: ModelSpec) -> dict[str, Linear]:
+    """Every linear LoRA can target, by name. A fused projection (GPT-3's qkv) also offers its slices:
+    the LoRA paper adapts Wq and Wv of GPT-3 175B separately (Hu et al. 2022, Sec. 7.1: r=4 on Wq, Wv
+    of 96 layers = 96 x 2 x 4 x (12288 + 12288) = 18,874,368 = "18.9M")."""
+    units = {lin.name: lin for lin in spec.linears}
+    for lin in spec.linears:
+        for name in FUSED_SLICES.get(lin.name, ()):
+            units[name] = Linear(name, lin.fan_in, lin.fan_out // len(FUSED_SLICES[lin.name]), lin.count, lin.bias)
+    return units
+
+
 def llama_spec(name: str, cfg: dict) -> ModelSpec:
     """Exact count for an HF `LlamaForCausalLM` (no biases, RMSNorm weights only)."""
     h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]

@@ -10,9 +10,12 @@ from labkit.memory.estimate import Estimate
 GB, GIB = 10**9, 2**30
 PARTS = ("weights", "grads", "optimizer", "activations")
 
-#: Usable device memory in bytes, as `nvidia-smi` reports the total (MiB * 2^20).
+#: Device memory in bytes, as `nvidia-smi` reports the total (MiB * 2^20). THE one definition: notebooks,
+#: grading checks and `labkit.oom` read it from here. Vendors' "24 GB" for an RTX 4090 means 24 GiB of
+#: GDDR6X: nvidia-smi shows 24,564 MiB (= 25.76 * 10^9 B), so the 4090 is 24,564 MiB, not 24 * 10^9 B.
 GPU_CAPACITIES = {
     "RTX 4090 24GB": 24_564 * 2**20,
+    "V100 32GB": 32_768 * 2**20,
     "A100 40GB": 40_960 * 2**20,
     "A100 80GB": 81_920 * 2**20,
     "H100 80GB": 81_559 * 2**20,

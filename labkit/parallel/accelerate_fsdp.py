@@ -152,7 +152,11 @@ def run(strategy: str = "fsdp", model: str = "tiny-llama", *, profile: str = "sm
     run_id = f"acc-{int(time.time() * 1e3) % 10**10}"
     args = ["--strategy", strategy, "--model", model, "--profile", profile, "--steps", str(steps), "--out", str(out),
             "--seed", str(seed), "--run-id", run_id, "--config", str(path)]
-    proc = subprocess.Popen(launch_command(path, args), env={**os.environ, **launch_env(profile)}, text=True,
+    from labkit import rank_guard
+
+    cmd = launch_command(path, args)
+    cmd.insert(cmd.index("-m") + 1, rank_guard.__name__)  # each rank dies with accelerate (labkit.rank_guard)
+    proc = subprocess.Popen(rank_guard.guarded(cmd), env={**os.environ, **launch_env(profile)}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         output, _ = proc.communicate(timeout=timeout_s)

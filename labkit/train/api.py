@@ -54,7 +54,8 @@ def run(strategy: str, model: str, *, timeout_s: float | None = None, stream: bo
 
     launch.run(WORKER, ["--config-json", cfg.to_json()], nproc=cfg.nproc, timeout_s=_timeout(cfg, timeout_s),
                env=cls.launch_env(cfg), nnodes=cfg.nnodes, node_rank=cfg.node_rank,
-               rdzv_endpoint=cfg.rdzv_endpoint, stream=stream)
+               rdzv_endpoint=cfg.rdzv_endpoint, stream=stream,
+               threads=launch.cpu_threads(cfg.nproc, cpu_heavy=cfg.strategy in launch.CPU_HEAVY_STRATEGIES))
     if cfg.node_rank != 0:
         return None
     return record_of(cfg.out, cfg.run_id)

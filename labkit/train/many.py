@@ -60,7 +60,9 @@ def run_many(runs: list, model: str, *, nproc: int = 2, out: str = "runs", strea
         _resolve(path)  # a wrong path fails here, not on every rank after the launch
         args += ["--before", path, "--before-json", json.dumps(spec)]
     limit = timeout_s or get_profile(first.profile).timeout_s * max(1, len(configs))
-    launch.run(ENTRY, args, nproc=nproc, timeout_s=limit, env=env, stream=stream)
+    heavy = any(cfg.strategy in launch.CPU_HEAVY_STRATEGIES for cfg in configs)
+    launch.run(ENTRY, args, nproc=nproc, timeout_s=limit, env=env, stream=stream,
+               threads=launch.cpu_threads(nproc, cpu_heavy=heavy))
     return [record_of(cfg.out, cfg.run_id) for cfg in configs]
 
 

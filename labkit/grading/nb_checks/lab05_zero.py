@@ -8,10 +8,11 @@ from __future__ import annotations
 from labkit.grading.checks import (answer_close, answer_equals, bytes_below, cell_ran, figure_present,
                                    losses_agree, relation)
 from labkit.grading.evidence import Evidence
+from labkit.memory.report import GPU_CAPACITIES
 
 NOTEBOOK = "05_zero"
-#: The scenario of 5.6: one RTX 4090, 24 GB of device memory.
-GPU_BYTES = 24e9
+#: The scenario's RTX 4090: its device memory as nvidia-smi reports it (labkit.memory.report).
+GPU_BYTES = GPU_CAPACITIES["RTX 4090 24GB"]
 
 
 def _estimate(**fields):

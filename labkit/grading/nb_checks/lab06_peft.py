@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from labkit.grading.checks import answer_close, answer_equals, cell_ran, fits_in, relation
 from labkit.grading.evidence import Evidence
+from labkit.memory.report import GPU_CAPACITIES
 
 NOTEBOOK = "06_peft"
-#: The RTX 4090 of the scenario: 24 GB of device memory.
-GPU_BYTES = 24e9
+#: The scenario's RTX 4090: its device memory as nvidia-smi reports it (labkit.memory.report).
+GPU_BYTES = GPU_CAPACITIES["RTX 4090 24GB"]
 
 
 def _estimate(**fields):
