@@ -89,7 +89,8 @@ def check_timeline(steps, hours):
     assert steps[0].start_min == 0 and steps[-1].end_min == end
     assert all(a.end_min == b.start_min and a.start_min < a.end_min for a, b in zip(steps, steps[1:]))
     kinds = [s.what.split(":")[0] for s in steps]
-    assert kinds[0] == "setup" and kinds[-3:] == ["save", "copy off", "margin"]
+    assert kinds[:3] == ["launch", "setup", "download"] and kinds[-3:] == ["save", "copy off", "margin"]
+    assert steps[0].end_min == lp.LAUNCH_MIN  # the node's boot is on the lease clock
     copy = steps[-2]
     assert "rsync" in copy.what and "runs/" in copy.what
     assert copy.end_min <= end - 10  # results are off the node 10+ minutes before the lease ends
@@ -102,15 +103,17 @@ def test_three_hour_plan_runs_every_lab_in_order_and_saves_in_time():
     assert all(isinstance(s, tuple) and len(s) == 4 for s in steps)  # (start_min, end_min, what, why)
 
 
-def test_two_blocks_split_the_labs_by_gpu_count():
+def test_two_blocks_split_the_labs_by_gpu_count_and_overflow_to_an_overnight_block():
     blocks = lp.plan_two_blocks()
-    assert len(blocks) == 2
-    (single_name, single), (multi_name, multi) = blocks.items()
-    assert "1x A100" in single_name and "4x" in multi_name
-    for steps in (single, multi):
+    (single_name, single), (multi_name, multi), (night_name, night) = blocks.items()
+    assert "1x A100" in single_name and "4x" in multi_name and "overnight" in night_name
+    for steps in (single, multi, night):
         check_timeline(steps, 2.0)
     assert lab_steps(single) == ["02", "06"]
-    assert lab_steps(multi) == ["03", "04", "05", "07", "08"]
+    # launch + setup + downloads leave room for three of the five multi-GPU labs in a 2-hour block
+    assert lab_steps(multi) + lab_steps(night) == ["03", "04", "05", "07", "08"]
+    assert lab_steps(multi) == ["03", "04", "05"]
+    assert len(lp.plan_two_blocks(3.0)) == 2  # 3-hour blocks need no third
 
 
 def test_plans_that_cannot_work_are_refused():
@@ -127,7 +130,7 @@ def test_plans_that_cannot_work_are_refused():
 def test_format_plan_shows_clock_times():
     text = lp.format_plan(lp.plan_lease(3.0, "a100x4"), start="14:00")
     lines = text.splitlines()
-    assert lines[0].startswith("14:00-14:15") and lines[-1].startswith("16:45-16:55")
-    assert lp.format_plan(lp.plan_lease(3.0, "a100x4")).startswith("0:00-0:15")
+    assert lines[0].startswith("14:00-14:10") and lines[-1].startswith("16:45-16:55")
+    assert lp.format_plan(lp.plan_lease(3.0, "a100x4")).startswith("0:00-0:10")
     with pytest.raises(ConfigError, match="HH:MM"):
         lp.format_plan(lp.plan_lease(3.0, "a100x4"), start="2pm")
