@@ -28,12 +28,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from labkit.cache import cache_root
 from labkit.errors import ConfigError, choices_error
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 #: File name of the measurements inside --out; default folder and the env var that overrides the file.
 FILE_NAME = "comm_bench.json"
-COMM_DIR = Path("~/.cache/labkit")
 COMM_FILE_ENV = "LABKIT_COMM_FILE"
 DEFAULT_SIZES = "1K,16K,256K,4M,16M"
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -218,7 +218,7 @@ def load(path: str | Path) -> list[CommMeasurement]:
 
 
 def default_file() -> Path:
-    return Path(os.environ.get(COMM_FILE_ENV) or COMM_DIR / FILE_NAME).expanduser()
+    return Path(os.environ.get(COMM_FILE_ENV) or cache_root() / FILE_NAME).expanduser()
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from labkit.cache import cache_root
 from labkit.errors import ConfigError, choices_error
 
 
@@ -70,7 +71,7 @@ COMM_EFFICIENCY = 0.75
 OPTIMIZER_BYTES = 32
 #: Where `labkit preflight` / `labkit bench` write the node's measured matmul efficiency, and the
 #: environment variable that points elsewhere (format: `read_perf_file`).
-PERF_FILE = Path("~/.cache/labkit/matmul_efficiency.json")
+PERF_FILE_NAME = "matmul_efficiency.json"  # in labkit.cache.cache_root()
 PERF_FILE_ENV = "LABKIT_MATMUL_FILE"
 
 
@@ -127,7 +128,7 @@ def matmul_efficiency(gpu: str, precision: str = "bf16", *, override: float | No
         if not 0 < override <= 1:
             raise ConfigError(f"matmul_efficiency={override!r}; it must be in (0, 1], e.g. 0.8")
         return Efficiency(float(override), "given by the caller (matmul_efficiency)")
-    path = Path(path or os.environ.get(PERF_FILE_ENV) or PERF_FILE).expanduser()
+    path = Path(path or os.environ.get(PERF_FILE_ENV) or cache_root() / PERF_FILE_NAME).expanduser()
     if path.exists():
         measured = read_perf_file(path, gpu, precision)
         if measured:

@@ -1,7 +1,10 @@
 """Shared test fixtures. Kept small: anything used by one test file lives in that file."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -9,6 +12,10 @@ import pytest
 # Tests run ranks and kernels on a shared 2-core machine: one thread each, no GUI backend.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
+# labkit's cache (measured bandwidth / matmul efficiency, decoded images) is per test session: a file a
+# developer's `labkit preflight` or `labkit bench comm` left in ~/.cache/labkit must not change results.
+os.environ["LABKIT_CACHE"] = tempfile.mkdtemp(prefix="labkit-test-cache-")
+atexit.register(shutil.rmtree, os.environ["LABKIT_CACHE"], ignore_errors=True)
 
 TESTS_DIR = Path(__file__).resolve().parent
 KERNEL = "labkit"

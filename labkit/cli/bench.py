@@ -15,6 +15,7 @@ from dataclasses import asdict
 import click
 
 from labkit import commbench
+from labkit.cache import cache_root
 from labkit.errors import ConfigError
 
 
@@ -32,7 +33,7 @@ def run_comm(*, nproc: int = 2, sizes: str = commbench.DEFAULT_SIZES, ops: str =
     if bad:
         raise ConfigError(f"unknown collective(s) {', '.join(bad)}; choose from {','.join(commbench.OPS)}")
     commbench.parse_sizes(sizes, nproc)  # fail here, before any rank starts
-    folder = str(out or commbench.COMM_DIR.expanduser())
+    folder = str(out or cache_root())
     launch.run("labkit.commbench", ["--sizes", sizes, "--ops", ops, "--warmup", str(warmup), "--iters", str(iters),
                                     "--out", folder], nproc=nproc, timeout_s=timeout_s, stream=stream)
     return commbench.load(f"{folder}/{commbench.FILE_NAME}")

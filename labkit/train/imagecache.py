@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from labkit.cache import cache_root
+
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
@@ -34,13 +36,6 @@ class CachedImages(Dataset):
     def __getitem__(self, i: int):
         x = self.images[i].float().div_(255.0)
         return (x - self.mean) / self.std, int(self.labels[i])
-
-
-def cache_root() -> Path:
-    """LABKIT_CACHE, else $XDG_CACHE_HOME/labkit, else ~/.cache/labkit."""
-    if os.environ.get("LABKIT_CACHE"):
-        return Path(os.environ["LABKIT_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "labkit"
 
 
 def _folder(root: Path, image_size: int):
