@@ -13,7 +13,8 @@ import sys
 from importlib import metadata
 from typing import Any
 
-from labkit.profiles import PROFILES, Profile
+from labkit.errors import HardwareError
+from labkit.profiles import PROFILES, Profile, get_profile
 
 #: distribution name -> the command that installs it (everything is in pyproject.toml: `make venv`).
 PACKAGES = {
@@ -124,6 +125,24 @@ def _gpu_gaps(profile: Profile, torch: dict[str, Any]) -> list[str]:
     if profile.dtype == "bfloat16" and not all(d["bf16"] for d in chosen):
         gaps.append("needs bfloat16 (compute capability >= 8.0) -> use --profile v100x4 (fp16)")
     return gaps
+
+
+def require(profile: str | Profile, facts: dict[str, Any] | None = None) -> Profile:
+    """The profile, if this machine can run it; else HardwareError naming what is missing and the
+    fix in one line (the CLI prints it and exits 2; a notebook shows it without a traceback)."""
+    profile = get_profile(profile)
+    if profile.device == "cpu":  # smoke profiles run wherever torch does; no device query needed
+        return profile
+    torch = (facts or {}).get("torch") or torch_facts()
+    missing = _check_profile(profile, torch)["missing"]
+    if missing:
+        reasons = "; ".join(m.split(" -> ")[0] for m in missing)
+        other = [m.split(" -> ")[1] for m in missing if " -> " in m and "--profile smoke" not in m]
+        need = f"{profile.nproc} x {profile.gpu_name} ({profile.gpu_memory_gb:g} GB each, {profile.dtype})"
+        raise HardwareError(f"profile {profile.name!r} needs {need}; this machine: {reasons}. "
+                            "Use --profile smoke (PROFILE = \"smoke\" in a notebook)"
+                            + "".join(f", or {fix}" for fix in other))
+    return profile
 
 
 def fixes(facts: dict[str, Any]) -> list[str]:
