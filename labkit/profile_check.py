@@ -142,7 +142,7 @@ def check_run(profile: Profile, lab: str, label: str, strategy: str, model: str,
 
     item = dict(lab=lab, label=label, strategy=strategy, model=model, options=dict(options))
     try:
-        cfg = from_dict({"strategy": strategy, "model": model, "profile": profile.name, **options}).resolve()
+        cfg = from_dict({"strategy": strategy, "model": model, "profile": profile.name, **options}).resolve(profile)
         parallel.strategy_class(strategy).check(cfg, cfg.world_size)
     except ConfigError as exc:
         return Item(ok=False, reason=str(exc), **item)
@@ -182,7 +182,7 @@ def single_levers(profile: Profile, model: str, *, amp: str | None = None) -> di
     if cap is None:
         return {}
     base = from_dict({"strategy": "single", "model": model, "profile": profile.name,
-                      **({"amp": amp} if amp else {})}).resolve()
+                      **({"amp": amp} if amp else {})}).resolve(profile)
     tries = [{}] + [dict(checkpointing=True, **({"accum": a} if a > 1 else {})) for a in (1, 2, 4, 8, 16)]
     for levers in tries:
         if levers.get("accum", 1) > base.batch:

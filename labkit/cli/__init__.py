@@ -24,6 +24,7 @@ SUBCOMMANDS = {
     "check": "check",
     "grade": "grade",
     "slides": "slides",
+    "preflight": "preflight",
 }
 
 
