@@ -1,11 +1,13 @@
 """Is this node ready for the labs? `labkit preflight --profile P`, run by the instructor the day before.
 
-Three kinds of checks, one `Check` each (docs/gpu-node.md):
+Four kinds of checks, one `Check` each (docs/gpu-node.md):
 - `labs`: every lab notebook's runs resolve on the profile and fit its GPUs (`labkit.profile_check`);
 - `strategy`: every strategy the profile's labs use trains a few steps with finite losses. All of them
   run inside ONE torchrun launch (`labkit.train.many.run_many`), so the ranks start once; if a run
   fails, the runs before it keep their result, it is reported with the error, and the rest run in a
   new launch. `single` runs in this process. On `smoke*` profiles: every strategy of `labkit train`;
+- `accelerate`: FSDP1 through accelerate (notebook 04): each variant's YAML makes accelerate build the
+  plugin it asks for; on GPU profiles `fsdp` trains under `accelerate launch` and must be real FSDP;
 - `probe`: an all-reduce bandwidth probe (every GPU pair on a GPU node, one 2-rank probe on CPU) and
   a matmul throughput probe, run on the ranks of the same launch before the first strategy.
   Rank 0 writes them to OUT/preflight.json (format in docs/gpu-node.md), where planners read them.
@@ -37,7 +39,7 @@ class Check:
     """One preflight line."""
 
     kind: str
-    """'labs', 'strategy' or 'probe'."""
+    """'labs', 'strategy', 'accelerate' or 'probe'."""
     strategy: str
     """The strategy trained, 'labs' or the probe's name ('all-reduce', 'matmul')."""
     status: str
@@ -96,10 +98,38 @@ def run(profile: str | Profile, *, out: str | Path = "build/preflight", steps: i
     plan = runs_for(prof)
     checks += [_single(model, {**options, **common}) for s, model, options in plan if s == "single"]
     many = [(s, {**o, "model": m, "run_id": f"preflight-{s}-{i}"}) for i, (s, m, o) in enumerate(plan) if s != "single"]
+    checks += accelerate_checks(prof, out, steps)
     (out / "probes.json").unlink(missing_ok=True)  # a stale file must not pass for this run's probes
     checks += _train_many(prof, many, common, out)
     checks += probe_checks(out, prof)
     _write(out / RESULT_FILE, prof, checks)
+    return checks
+
+
+def accelerate_checks(profile: Profile, out: Path, steps: int) -> list[Check]:
+    """FSDP1 through accelerate (notebook 04): each variant's config builds the plugin it asks for
+    (accelerate's own parsing, `accelerate_fsdp.plugin_problems`); on a GPU profile `fsdp` also
+    trains under `accelerate launch` and must really be FSDP, not silently DDP (unverified on GPUs here)."""
+    from labkit.parallel import accelerate_fsdp
+
+    checks = []
+    for strategy in accelerate_fsdp.STRATEGY_MAP:
+        start = time.perf_counter()
+        problems = accelerate_fsdp.plugin_problems(strategy, profile.name, out / "accelerate")
+        checks.append(Check("accelerate", f"accelerate-{strategy}", "failed" if problems else "ok",
+                            time.perf_counter() - start, "; ".join(problems) or "config builds the FSDP1 plugin it asks for",
+                            "fix labkit.parallel.accelerate_fsdp.config_dict for this accelerate version" if problems else ""))
+    if profile.device == "cuda":
+        start = time.perf_counter()
+        try:
+            record = accelerate_fsdp.run("fsdp", profile.llm_model, profile=profile.name, nproc=profile.nproc,
+                                         steps=steps, out=str(out))
+            ok = bool(record.extra["fsdp_effective"])
+            detail = f"accelerate built {record.extra['wrapper']} ({record.extra['distributed_type']})"
+        except LabkitError as exc:
+            ok, detail = False, (str(exc).splitlines() or ["accelerate launch failed"])[0][:200]
+        checks.append(Check("accelerate", "accelerate-fsdp run", "ok" if ok else "failed", time.perf_counter() - start,
+                            detail, "" if ok else "run labkit.parallel.accelerate_fsdp.run('fsdp', ...) alone for the output"))
     return checks
 
 

@@ -83,7 +83,7 @@ def smoke() -> Profile:
 def smoke_bf16() -> Profile:
     """`smoke` with bf16 mixed precision (autocast, FSDP2 MixedPrecisionPolicy, DeepSpeed bf16): the
     GPU profiles' precision branches on CPU, so CI runs them. Fewer steps keep the doubled suite short."""
-    return dataclasses.replace(smoke(), name="smoke-bf16", dtype="bfloat16", steps=8)
+    return dataclasses.replace(smoke(), name="smoke-bf16", dtype="bfloat16", steps=4)
 
 
 def a100x4() -> Profile:
