@@ -65,6 +65,7 @@ def torch_facts() -> dict[str, Any]:
             facts["nccl"] = None
     if facts["cuda_available"]:
         facts["devices"] = [_device(torch, i) for i in range(torch.cuda.device_count())]
+        facts["arch_list"] = torch.cuda.get_arch_list()  # e.g. ['sm_75', 'sm_80', ...]: kernels in this build
     return facts
 
 
@@ -122,6 +123,11 @@ def _gpu_gaps(profile: Profile, torch: dict[str, Any]) -> list[str]:
         gaps.append(f"needs {profile.nproc} GPU(s) with >= {profile.gpu_memory_gb:g} GB, found {len(big)} "
                     f"-> use a profile with fewer or smaller GPUs, or reserve a bigger node")
     chosen = (big or devices)[:profile.nproc]
+    missing_arch = [d for d in chosen if not has_kernels(torch.get("arch_list"), d["capability"])]
+    if missing_arch:
+        cap = missing_arch[0]["capability"]
+        gaps.append(f"torch {torch.get('version')} has no kernels for {missing_arch[0]['name']} (sm_{cap[0]}{cap[1]}) "
+                    "-> pip install torch==2.14.1 torchvision==0.29.1 --index-url https://download.pytorch.org/whl/cu126")
     if profile.dtype == "bfloat16" and not all(d["bf16"] for d in chosen):
         gaps.append("needs bfloat16 (compute capability >= 8.0) -> use --profile v100x4 (fp16)")
     return gaps
@@ -143,6 +149,24 @@ def require(profile: str | Profile, facts: dict[str, Any] | None = None) -> Prof
                             "Use --profile smoke (PROFILE = \"smoke\" in a notebook)"
                             + "".join(f", or {fix}" for fix in other))
     return profile
+
+
+def has_kernels(arch_list: list[str] | None, capability: list[int]) -> bool:
+    """Whether a torch build with `arch_list` runs on a GPU of `capability`: a cubin of the same major
+    and no higher minor (sm_80 runs on 8.6), or PTX (compute_XY) it can JIT. Unknown list: assume yes.
+    CUDA 13 builds start at sm_75, so a V100 (7.0) needs the cu126 build (docs/gpu-node.md)."""
+    if not arch_list:
+        return True
+    cap = capability[0] * 10 + capability[1]
+    for arch in arch_list:
+        kind, _, number = arch.partition("_")
+        if not number.isdigit():
+            continue
+        if kind == "sm" and int(number) // 10 == capability[0] and int(number) <= cap:
+            return True
+        if kind == "compute" and int(number) <= cap:
+            return True
+    return False
 
 
 def fixes(facts: dict[str, Any]) -> list[str]:

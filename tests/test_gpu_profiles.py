@@ -120,6 +120,17 @@ def test_require_names_what_is_missing_and_the_smoke_fix():
     assert HardwareError("x")._render_traceback_() == ["HardwareError: x"]
 
 
+def test_a_cuda13_build_on_volta_names_the_cu126_wheel():
+    cu13 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]
+    assert not envinfo.has_kernels(cu13, [7, 0]) and envinfo.has_kernels(cu13, [8, 0])
+    assert envinfo.has_kernels(["sm_70", "sm_80"], [8, 6]) and envinfo.has_kernels(None, [7, 0])
+    node = {"torch": {**V100_NODE["torch"], "version": "2.14.1+cu130", "arch_list": cu13}}
+    with pytest.raises(HardwareError, match=r"no kernels for Tesla V100.*sm_70.*whl/cu126"):
+        envinfo.require("v100x4", node)
+    node["torch"]["arch_list"] = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]  # cu126
+    assert envinfo.require("v100x4", node).name == "v100x4"
+
+
 @pytest.mark.skipif(envinfo.torch_facts().get("devices"), reason="this machine has GPUs")
 @pytest.mark.parametrize("argv", [
     ["train", "--strategy", "ddp", "--model", "tiny-llama", "--profile", "a100x4", "--nproc", "4"],
@@ -164,3 +175,21 @@ def test_preflight_smoke_trains_every_strategy_and_probes(tmp_path):
     assert saved["profile"] == "smoke" and len(saved["allreduce"]) == 1
     assert saved["allreduce"][0]["ranks"] == [0, 1] and saved["allreduce"][0]["busbw_GBps"] > 0
     assert saved["matmul"]["tflops"] > 0 and saved["matmul"]["dtype"] == "float32"
+
+
+# ---------------------------------------------------------------- lab04's holder check, any precision
+@pytest.mark.parametrize("dtype, held", [("float32", 1.0), ("bfloat16", 0.5)])
+def test_lab04_finds_the_grad_op_run_in_either_precision(dtype, held):
+    from test_grading_units import _answer, _nb, _run
+
+    from labkit.grading.evidence import Evidence
+    from labkit.grading.nb_checks import lab04_fsdp as lab04
+
+    full = 400 * 2**20
+    runs = [_run("ddp", strategy="ddp", param_bytes=[full] * 4)]
+    for key in lab04.FSDP_RUNS:  # everything else holds a quarter (its shard + one gathered unit)
+        after = int(full * held) if key == "fsdp-grad-op" else full // 4
+        runs.append(_run(key, strategy=key, extra={"param_bytes_after_forward": after, "param_dtype": dtype}))
+    ev = Evidence.from_notebook(_nb(*runs, _answer("04.holds_all_params", "fsdp-grad-op")))
+    ok, why = lab04._holds_all(ev)
+    assert ok, why
