@@ -54,7 +54,7 @@ class Check:
 
     def line(self) -> str:
         peak = f"peak {self.peak_bytes / 2**20:9.1f} MiB" if self.peak_bytes else " " * 19
-        text = f"{self.status:<6} {self.kind:<8} {self.strategy:<18} {self.seconds:7.1f} s  {peak}  {self.detail}"
+        text = f"{self.status:<6} {self.kind:<10} {self.strategy:<22} {self.seconds:7.1f} s  {peak}  {self.detail}"
         return text + (f"\n       fix: {self.fix}" if self.fix else "")
 
 
@@ -80,6 +80,8 @@ def labs_checks(profile: Profile) -> list[Check]:
         bad = [i for i in mine if not i.ok]
         worst = max((i.bytes_per_gpu or 0 for i in mine), default=0)
         detail = f"{lab}: {len(mine)} run(s) resolve" + (f", largest {worst / 1e9:.1f} GB per GPU" if worst else "")
+        if lab == "profile":
+            detail = f"precision {profile.dtype} suits {profile.gpu_name or 'CPU'}"
         fix = "; ".join(f"{i.label}: {i.reason}" for i in bad)
         out.append(Check("labs", "labs", "failed" if bad else "ok", seconds / len(items) * len(mine),
                          detail if not bad else f"{lab}: {len(bad)} of {len(mine)} run(s) do not resolve", fix))

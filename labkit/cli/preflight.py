@@ -8,8 +8,10 @@ any failed, 2 when the machine lacks the profile's GPUs. OUT/preflight.json keep
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import sys
 
 import click
 
@@ -26,7 +28,8 @@ def command(ctx, profile: str, out: str | None, steps: int, as_json: bool) -> No
     from labkit import preflight
 
     folder = out or f"build/preflight/{profile}"
-    checks = preflight.run(profile, out=folder, steps=steps)
+    with contextlib.redirect_stdout(sys.stderr):  # the runs' own messages must not mix into --json
+        checks = preflight.run(profile, out=folder, steps=steps)
     if as_json:
         click.echo(json.dumps([dataclasses.asdict(c) for c in checks], indent=1))
     else:
