@@ -24,7 +24,7 @@ from pathlib import Path
 
 from labkit import parallel, profile_check
 from labkit.errors import LabkitError
-from labkit.profiles import Profile, get_profile
+from labkit.profiles import Profile
 
 #: File in the output folder holding the probes and every check (docs/gpu-node.md).
 RESULT_FILE = "preflight.json"
@@ -118,9 +118,10 @@ def accelerate_checks(profile: Profile, out: Path, steps: int) -> list[Check]:
     for strategy in accelerate_fsdp.STRATEGY_MAP:
         start = time.perf_counter()
         problems = accelerate_fsdp.plugin_problems(strategy, profile.name, out / "accelerate")
+        detail = "; ".join(problems) or "config builds the FSDP1 plugin it asks for"
+        fix = "fix labkit.parallel.accelerate_fsdp.config_dict for this accelerate version" if problems else ""
         checks.append(Check("accelerate", f"accelerate-{strategy}", "failed" if problems else "ok",
-                            time.perf_counter() - start, "; ".join(problems) or "config builds the FSDP1 plugin it asks for",
-                            "fix labkit.parallel.accelerate_fsdp.config_dict for this accelerate version" if problems else ""))
+                            time.perf_counter() - start, detail, fix))
     if profile.device == "cuda":
         start = time.perf_counter()
         try:
@@ -130,8 +131,9 @@ def accelerate_checks(profile: Profile, out: Path, steps: int) -> list[Check]:
             detail = f"accelerate built {record.extra['wrapper']} ({record.extra['distributed_type']})"
         except LabkitError as exc:
             ok, detail = False, (str(exc).splitlines() or ["accelerate launch failed"])[0][:200]
-        checks.append(Check("accelerate", "accelerate-fsdp run", "ok" if ok else "failed", time.perf_counter() - start,
-                            detail, "" if ok else "run labkit.parallel.accelerate_fsdp.run('fsdp', ...) alone for the output"))
+        fix = "" if ok else "run labkit.parallel.accelerate_fsdp.run('fsdp', ...) alone for the output"
+        checks.append(Check("accelerate", "accelerate-fsdp run", "ok" if ok else "failed",
+                            time.perf_counter() - start, detail, fix))
     return checks
 
 
@@ -184,7 +186,8 @@ def _train_many(prof: Profile, runs: list, common: dict, out: Path) -> list[Chec
 
 def _from_record(record, seconds: float) -> Check:
     finite = all(math.isfinite(x) for x in record.losses)
-    detail = f"{record.model} x{record.world_size} {record.dtype}: loss {record.losses[0]:.3f} -> {record.losses[-1]:.3f}"
+    detail = (f"{record.model} x{record.world_size} {record.dtype}: "
+              f"loss {record.losses[0]:.3f} -> {record.losses[-1]:.3f}")
     return Check("strategy", record.strategy, "ok" if finite else "failed", seconds, detail,
                  "" if finite else "the loss is not finite: check the precision (fp16 needs a GradScaler)",
                  max(record.peak_bytes), record.model)
@@ -275,8 +278,9 @@ def _matmul_tflops(device, amp: str) -> dict:
         a @ b
     _sync(device)
     seconds = (time.perf_counter() - start) / repeats
-    return {"n": n, "dtype": str(dtype).removeprefix("torch."), "seconds": seconds, "tflops": 2 * n**3 / seconds / 1e12,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"n": n, "dtype": str(dtype).removeprefix("torch."), "seconds": seconds,
+            "tflops": 2 * n**3 / seconds / 1e12, "device": name}
 
 
 def probe_checks(out: Path, profile: Profile) -> list[Check]:
@@ -287,12 +291,16 @@ def probe_checks(out: Path, profile: Profile) -> list[Check]:
         return [Check("probe", "all-reduce", "failed", 0.0, "no probe results", fix)]
     data = json.loads(path.read_text(encoding="utf-8"))
     checks = [Check("probe", "all-reduce", "ok", r["seconds"], f"ranks {r['ranks'][0]}-{r['ranks'][1]}: "
-                    f"{r['busbw_GBps']:.2f} GB/s bus bandwidth ({r['bytes'] / 2**20:.0f} MiB)") for r in data["allreduce"]]
+                    f"{r['busbw_GBps']:.2f} GB/s bus bandwidth ({r['bytes'] / 2**20:.0f} MiB)")
+              for r in data["allreduce"]]
     if profile.nproc > 1 and not data["allreduce"]:
         checks.append(Check("probe", "all-reduce", "failed", 0.0, "no rank pair measured", "rerun the preflight"))
     m = data["matmul"]
-    peak = f" ({m['tflops'] / profile.peak_tflops:.0%} of the {profile.peak_tflops:g} peak)" if profile.peak_tflops else ""
-    checks.append(Check("probe", "matmul", "ok", m["seconds"], f"{m['n']}^2 {m['dtype']}: {m['tflops']:.2f} TFLOPS{peak}"))
+    peak = ""
+    if profile.peak_tflops:
+        peak = f" ({m['tflops'] / profile.peak_tflops:.0%} of the {profile.peak_tflops:g} peak)"
+    checks.append(Check("probe", "matmul", "ok", m["seconds"],
+                        f"{m['n']}^2 {m['dtype']}: {m['tflops']:.2f} TFLOPS{peak}"))
     return checks
 
 

@@ -92,7 +92,8 @@ def lab_runs(profile: Profile) -> list[tuple[str, str, str, str, dict]]:
         runs += [("04_fsdp", f"fsdp-{amp}", "fsdp", llm, dict(nproc=n, amp=amp))]
         runs += [("05_zero", s, s, llm, dict(nproc=n)) for s in
                  ("ddp", "zero1", "zero2", "zero3", "zero3-offload", "fsdp-grad-op", "fsdp")]
-        runs += [("07_model_parallel", "single", "single", llm, dict(amp=pipe_amp, **single_levers(profile, llm, amp=pipe_amp)))]
+        fit = single_levers(profile, llm, amp=pipe_amp)
+        runs += [("07_model_parallel", "single", "single", llm, dict(amp=pipe_amp, **fit))]
         runs += [("07_model_parallel", s, s, llm, dict(nproc=n, amp=pipe_amp, microbatches=2 * n))
                  for s in ("pipeline-gpipe", "pipeline-1f1b", "tensor-fsdp")]
         runs += [("08_profiling", s, s, llm, dict(nproc=n)) for s in ("ddp", "fsdp", "fsdp-qlora")]
