@@ -1,5 +1,6 @@
 # labkit for the course's GPU nodes (4x A100 80GB, 1x A100, H100, 4x V100): the packages of
 # environment.yml on an official PyTorch CUDA image, plus the `labkit` Jupyter kernel.
+# torch 2.14.1+cu126 (the tested version; runs on V100, A100 and H100) replaces the image's own.
 # Build from the repository root and run (see containers/README.md):
 #
 #   docker build -t labkit:gpu .
@@ -23,11 +24,13 @@ ENV PIP_NO_CACHE_DIR=1 \
     MPLBACKEND=Agg \
     PYTHONUNBUFFERED=1
 
-# torch and its CUDA build come from the base image (environment.yml: pytorch-gpu>=2.6); pip must
-# not replace it, so torch is a constraint, not a requirement.
-RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/torch-constraint.txt \
- && pip install -c /tmp/torch-constraint.txt \
-      "torchvision>=0.21" \
+# The tested torch (2.14.1), as PyTorch's CUDA 12.6 wheel: the only 2.14 build with Volta (sm_70)
+# kernels besides sm_80 (A100) and sm_90 (H100), so one image serves every course node (environment.yml
+# pins the same). It replaces the base image's torch; every later pip install keeps it (constraint).
+RUN pip install --index-url https://download.pytorch.org/whl/cu126 "torch==2.14.1+cu126" "torchvision==0.29.1+cu126" \
+ && python -c "import torch; assert torch.__version__ == '2.14.1+cu126' and torch.version.cuda.startswith('${CUDA_VERSION}'), torch.__version__" \
+ && python -c "import torch, torchvision; print('torch==' + torch.__version__); print('torchvision==' + torchvision.__version__)" > /tmp/torch-constraint.txt
+RUN pip install -c /tmp/torch-constraint.txt \
       "ninja>=1.11" \
       "accelerate>=1.0" \
       "deepspeed>=0.16" \

@@ -6,6 +6,10 @@ BIN := $(VENV)/bin
 BUILD := build
 # Our CPU machines install this torch build from local disk; GPU nodes use environment.yml.
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
+# PyPI's torch 2.14 is a CUDA 13 build without Volta kernels: on a V100 node run
+# `make lab TORCH_INDEX=https://download.pytorch.org/whl/cu126` (docs/gpu-node.md).
+TORCH_INDEX ?=
+TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple)
 # DeepSpeed JIT-builds its C++ ops on first use; keep that cache inside the repo's ignored build dir.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(BUILD)/torch_extensions
 export MPLBACKEND := Agg
@@ -17,8 +21,8 @@ $(BIN)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install $(TORCH_PINS)
-	$(BIN)/python -m pip install $(TORCH_PINS) -e '.[test]'
+	$(BIN)/python -m pip install $(TORCH_FROM) $(TORCH_PINS)
+	$(BIN)/python -m pip install $(TORCH_FROM) $(TORCH_PINS) -e '.[test]'
 	$(BIN)/python -m ipykernel install --sys-prefix --name labkit --display-name "labkit (Python 3)"
 	touch $@
 

@@ -13,7 +13,8 @@ import sys
 from importlib import metadata
 from typing import Any
 
-from labkit.profiles import PROFILES, Profile
+from labkit.errors import HardwareError
+from labkit.profiles import PROFILES, Profile, get_profile
 
 #: distribution name -> the command that installs it (everything is in pyproject.toml: `make venv`).
 PACKAGES = {
@@ -64,6 +65,7 @@ def torch_facts() -> dict[str, Any]:
             facts["nccl"] = None
     if facts["cuda_available"]:
         facts["devices"] = [_device(torch, i) for i in range(torch.cuda.device_count())]
+        facts["arch_list"] = torch.cuda.get_arch_list()  # e.g. ['sm_75', 'sm_80', ...]: kernels in this build
     return facts
 
 
@@ -121,9 +123,50 @@ def _gpu_gaps(profile: Profile, torch: dict[str, Any]) -> list[str]:
         gaps.append(f"needs {profile.nproc} GPU(s) with >= {profile.gpu_memory_gb:g} GB, found {len(big)} "
                     f"-> use a profile with fewer or smaller GPUs, or reserve a bigger node")
     chosen = (big or devices)[:profile.nproc]
+    missing_arch = [d for d in chosen if not has_kernels(torch.get("arch_list"), d["capability"])]
+    if missing_arch:
+        cap = missing_arch[0]["capability"]
+        gaps.append(f"torch {torch.get('version')} has no kernels for {missing_arch[0]['name']} (sm_{cap[0]}{cap[1]}) "
+                    "-> pip install torch==2.14.1 torchvision==0.29.1 --index-url https://download.pytorch.org/whl/cu126")
     if profile.dtype == "bfloat16" and not all(d["bf16"] for d in chosen):
         gaps.append("needs bfloat16 (compute capability >= 8.0) -> use --profile v100x4 (fp16)")
     return gaps
+
+
+def require(profile: str | Profile, facts: dict[str, Any] | None = None) -> Profile:
+    """The profile, if this machine can run it; else HardwareError naming what is missing and the
+    fix in one line (the CLI prints it and exits 2; a notebook shows it without a traceback)."""
+    profile = get_profile(profile)
+    if profile.device == "cpu":  # smoke profiles run wherever torch does; no device query needed
+        return profile
+    torch = (facts or {}).get("torch") or torch_facts()
+    missing = _check_profile(profile, torch)["missing"]
+    if missing:
+        reasons = "; ".join(m.split(" -> ")[0] for m in missing)
+        other = [m.split(" -> ")[1] for m in missing if " -> " in m and "--profile smoke" not in m]
+        need = f"{profile.nproc} x {profile.gpu_name} ({profile.gpu_memory_gb:g} GB each, {profile.dtype})"
+        raise HardwareError(f"profile {profile.name!r} needs {need}; this machine: {reasons}. "
+                            "Use --profile smoke (PROFILE = \"smoke\" in a notebook)"
+                            + "".join(f", or {fix}" for fix in other))
+    return profile
+
+
+def has_kernels(arch_list: list[str] | None, capability: list[int]) -> bool:
+    """Whether a torch build with `arch_list` runs on a GPU of `capability`: a cubin of the same major
+    and no higher minor (sm_80 runs on 8.6), or PTX (compute_XY) it can JIT. Unknown list: assume yes.
+    CUDA 13 builds start at sm_75, so a V100 (7.0) needs the cu126 build (docs/gpu-node.md)."""
+    if not arch_list:
+        return True
+    cap = capability[0] * 10 + capability[1]
+    for arch in arch_list:
+        kind, _, number = arch.partition("_")
+        if not number.isdigit():
+            continue
+        if kind == "sm" and int(number) // 10 == capability[0] and int(number) <= cap:
+            return True
+        if kind == "compute" and int(number) <= cap:
+            return True
+    return False
 
 
 def fixes(facts: dict[str, Any]) -> list[str]:

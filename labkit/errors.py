@@ -19,6 +19,14 @@ class LaunchError(LabkitError, RuntimeError):
         self.output = output
 
 
+class HardwareError(ConfigError):
+    """This machine lacks what the chosen profile needs (GPUs, memory, bf16). One line, in a notebook too."""
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing the traceback: the notebook shows the one-line fix.
+        return [f"HardwareError: {self}"]
+
+
 class NotebookError(LabkitError, RuntimeError):
     """A notebook failed to execute or breaks the hygiene rules."""
 

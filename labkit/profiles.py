@@ -80,6 +80,13 @@ def smoke() -> Profile:
                    seq_len=32, image_size=32, steps=20, lr=3e-3, timeout_s=300.0)
 
 
+def smoke_bf16() -> Profile:
+    """`smoke` with bf16 mixed precision (autocast, FSDP2 MixedPrecisionPolicy, DeepSpeed bf16): the
+    GPU profiles' precision branches on CPU, so CI runs them. Fewer steps and a smaller image batch keep
+    the doubled suite short: bf16 convolutions are emulated on CPUs without AVX512-BF16 (~8x slower)."""
+    return dataclasses.replace(smoke(), name="smoke-bf16", dtype="bfloat16", steps=4, image_batch=8)
+
+
 def a100x4() -> Profile:
     """One 4x A100 80GB node (the course's 307G3Q3 / JOBG3Q3)."""
     return Profile(name="a100x4", device="cuda", backend="nccl", nproc=4, dtype="bfloat16",
@@ -105,7 +112,7 @@ def v100x4() -> Profile:
 
 
 PROFILES: dict[str, Callable[[], Profile]] = {
-    "smoke": smoke, "a100x1": a100x1, "a100x4": a100x4, "h100x1": h100x1, "v100x4": v100x4,
+    "smoke": smoke, "smoke-bf16": smoke_bf16, "a100x1": a100x1, "a100x4": a100x4, "h100x1": h100x1, "v100x4": v100x4,
 }
 
 

@@ -22,9 +22,9 @@ def test_strategies_map_to_fsdp1_sharding(strategy, sharding, offload):
 def test_yaml_has_the_keys_people_meet_at_work(tmp_path):
     path = acc.write_config(acc.for_strategy("fsdp", "a100x4"), tmp_path, "fsdp")
     text = path.read_text()
-    assert "fsdp_sharding_strategy" in text  # the older key is explained in the header comment
     data = yaml.safe_load(text)
     fsdp = data["fsdp_config"]
+    assert fsdp["fsdp_sharding_strategy"] == "FULL_SHARD"  # accelerate reads this key first (FSDP1)
     assert data["distributed_type"] == "FSDP" and data["num_processes"] == 4 and data["use_cpu"] is False
     assert fsdp["fsdp_reshard_after_forward"] == "FULL_SHARD"
     assert fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
@@ -34,6 +34,26 @@ def test_yaml_has_the_keys_people_meet_at_work(tmp_path):
     size = acc.config_dict(acc.for_strategy("fsdp", "a100x4", auto_wrap_policy="SIZE_BASED_WRAP",
                                             min_num_params=1_000_000))["fsdp_config"]
     assert size["fsdp_min_num_params"] == 1_000_000 and "fsdp_transformer_layer_cls_to_wrap" not in size
+
+
+@pytest.mark.parametrize("profile", ["a100x4", "v100x4", "smoke"])
+def test_accelerate_builds_the_plugin_each_config_asks_for(profile, tmp_path):
+    # accelerate's own `launch` parsing and FullyShardedDataParallelPlugin, as the ranks would see them.
+    for strategy in acc.STRATEGY_MAP:
+        assert acc.plugin_problems(strategy, profile, tmp_path) == []
+    got = acc.resolve_plugin(acc.write_config(acc.for_strategy("fsdp-grad-op", profile), tmp_path, "g"))
+    assert got["sharding_strategy"] == "SHARD_GRAD_OP"
+    assert got["mixed_precision"] == {"a100x4": "bf16", "v100x4": "fp16", "smoke": "no"}[profile]
+
+
+def test_only_the_new_key_would_silently_run_full_shard(tmp_path):
+    # The bug this module had: fsdp_reshard_after_forward alone loses to `accelerate launch`'s
+    # default --fsdp_sharding_strategy FULL_SHARD, so SHARD_GRAD_OP / NO_SHARD never ran.
+    data = acc.config_dict(acc.for_strategy("fsdp-grad-op", "a100x4"))
+    del data["fsdp_config"]["fsdp_sharding_strategy"]
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert acc.resolve_plugin(path)["sharding_strategy"] == "FULL_SHARD"
 
 
 def test_cpu_profile_cannot_sync_module_states():

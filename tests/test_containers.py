@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import yaml
 from packaging.requirements import Requirement
-from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = {"Dockerfile": ROOT / "Dockerfile", "apptainer": ROOT / "containers" / "labkit.def"}
@@ -26,7 +25,7 @@ def env() -> tuple[dict[str, str], list[str]]:
     conda, pip = {}, []
     for item in data["dependencies"]:
         if isinstance(item, dict):
-            pip += [line.split("#")[0].strip() for line in item["pip"]]
+            pip += [line.split("#")[0].strip() for line in item["pip"] if not line.startswith("--extra-index-url")]
         else:
             name = re.match(r"\s*([A-Za-z0-9_.\-]+)", str(item)).group(1)
             conda[normalize(name)] = str(item)
@@ -55,7 +54,7 @@ def requirements(text: str) -> dict[str, Requirement]:
         skip = False
         for arg in args:
             if skip or arg.startswith("-"):
-                skip = arg in ("-c", "-r", "-e", "--constraint")
+                skip = arg in ("-c", "-r", "-e", "--constraint", "--index-url")
                 continue
             req = Requirement(arg) if arg != "." else None
             if req:
@@ -106,9 +105,6 @@ def test_every_conda_package_is_provided(env, recipe):
             version = re.search(r"(\d+\.\d+)", spec).group(1)
             assert tag.group(2) == version, f"{name}: image CUDA {tag.group(2)} != environment.yml {version}"
             assert re.search(rf"(CUDA_VERSION={version}\b|startswith\('{version}'\))", text)
-        elif pkg in ("pytorch-gpu", "pytorch", "pytorch-cuda"):
-            bound = Requirement(spec.replace("pytorch-gpu", "torch").replace("pytorch", "torch")).specifier
-            assert Version(tag.group(1)) in bound, f"{name}: image torch {tag.group(1)} does not satisfy {spec}"
         elif pkg in ("cuda-nvcc", "cuda-cudart-dev"):
             assert tag.group(3) == "devel" and "nvcc --version" in text, f"{name}: {pkg} needs the devel image"
         elif pkg == "pip":
@@ -119,11 +115,21 @@ def test_every_conda_package_is_provided(env, recipe):
             assert installed[normalize(req.name)].specifier == req.specifier, f"{name}: {spec!r}"
 
 
-def test_torch_is_never_installed_from_pypi_and_labkit_itself_is(recipe):
+def test_torch_is_the_tested_cuda_wheel_and_labkit_itself_is_installed(env, recipe):
+    # torch comes once from PyTorch's index for the image's CUDA (cu126: the 2.14 build with Volta
+    # kernels), pinned as environment.yml pins it; every other install keeps it (the constraint).
+    _, pip = env
     name, text = recipe
-    assert "torch" not in requirements(text), f"{name} would replace the image's CUDA torch"
+    cuda = re.search(r"-cuda(\d+)\.(\d+)-", base_image(text))
     installs = pip_installs(text)
-    assert all("-c" in args for args in installs), f"{name}: every pip install must use the torch constraint"
+    torch_installs = [args for args in installs if any(a.startswith("torch==") for a in args)]
+    assert len(torch_installs) == 1, f"{name}: install torch exactly once"
+    args = torch_installs[0]
+    assert args[args.index("--index-url") + 1] == f"https://download.pytorch.org/whl/cu{cuda.group(1)}{cuda.group(2)}"
+    pins = {Requirement(a).name: Requirement(a).specifier for a in args if "==" in a}
+    for pkg in ("torch", "torchvision"):
+        assert pins[pkg] == next(Requirement(p).specifier for p in pip if Requirement(p).name == pkg), name
+    assert all("-c" in a for a in installs if a is not args), f"{name}: every other pip install must use the constraint"
     assert any(args[-2:] == ["-e", "."] for args in installs), f"{name} does not install labkit itself (-e .)"
     assert KERNEL in text, f"{name} does not register the labkit kernel"
 

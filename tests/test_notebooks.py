@@ -1,8 +1,9 @@
-"""Every committed notebook is clean and runs top to bottom in the smoke profile.
+"""Every committed notebook is clean and runs top to bottom in the smoke and smoke-bf16 profiles.
 
 Parametrized over the notebooks that exist when pytest collects, so a notebook added to notebooks/
 or reservations/ is covered without touching this file. Executed copies go to build/executed/
-(reservations' to build/executed/reservations/), where the grading tests read them.
+(reservations' to build/executed/reservations/), where the grading tests read them; smoke-bf16's go to
+build/executed-smoke-bf16/.
 Also tests the lease plan that notebook 00_setup shows (labkit.lease_plan).
 """
 from __future__ import annotations
@@ -37,14 +38,34 @@ def test_notebook_hygiene(path):
     assert nbk.check_hygiene(path) == [], f"{rel(path)}: fix these, or run `make clean-notebooks`"
 
 
+#: Where each CI profile's executed copies go. Grading tests read build/executed/ (smoke) only.
+EXECUTED_BY_PROFILE = {"smoke": EXECUTED, "smoke-bf16": ROOT / "build" / "executed-smoke-bf16"}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("profile", list(EXECUTED_BY_PROFILE))
 @pytest.mark.parametrize("path", EXECUTED_IN_CI, ids=rel)
-def test_notebook_runs_in_smoke_profile(path):
-    out = EXECUTED if path.parent.name == "notebooks" else EXECUTED / path.parent.name
-    run = nbk.run_notebook(path, profile="smoke", out_dir=out)
+def test_notebook_runs_in_smoke_profile(path, profile):
+    """smoke: fp32; smoke-bf16: the same labs through the mixed-precision branches (autocast, FSDP2
+    MixedPrecisionPolicy, DeepSpeed bf16) that the GPU profiles take."""
+    base = EXECUTED_BY_PROFILE[profile]
+    out = base if path.parent.name == "notebooks" else base / path.parent.name
+    run = nbk.run_notebook(path, profile=profile, out_dir=out)
     assert run.output.is_file()
     if not run.ok:
-        pytest.fail(f"{rel(path)}: {run.describe()}\n{run.traceback[-4000:]}", pytrace=False)
+        pytest.fail(f"{rel(path)} ({profile}): {run.describe()}\n{run.traceback[-4000:]}", pytrace=False)
+    if path.stem == "02_single_gpu":
+        check_02_precisions(run.output)
+
+
+def check_02_precisions(executed: Path) -> None:
+    """The 02 baseline is fp32 and the AMP run bf16 on every profile (the AMP speedup is fp32 vs bf16)."""
+    from labkit.grading.evidence import Evidence
+
+    ev = Evidence.from_notebook(nbformat.read(executed, as_version=4))
+    dtypes = {key: ev.run(key).dtype for key in ("baseline", "accum", "checkpointing", "amp", "channels_last")}
+    assert dtypes == {"baseline": "float32", "accum": "float32", "checkpointing": "float32",
+                      "amp": "bfloat16", "channels_last": "bfloat16"}, dtypes
 
 
 # ---------------------------------------------------------------- the CI exemption rule

@@ -29,7 +29,10 @@ CONDA_TO_PYPI = {
 }
 # `-e .` in the pip section installs labkit itself (and so the `labkit` command) on the GPU nodes.
 PROJECT_ITSELF = "-e ."
-INSTALLERS = {"pip"}  # the installer conda needs for the `pip:` section, not a project dependency
+INSTALLERS = {"pip"}
+#: The torch the code is tested with (Makefile TORCH_PINS); environment.yml pins its CUDA build.
+TESTED_TORCH, TESTED_TORCHVISION = "2.14.1", "0.29.1"
+TORCH_INDEX_OPTION = "--extra-index-url"  # the installer conda needs for the `pip:` section, not a project dependency
 
 
 def normalize(name: str) -> str:
@@ -81,6 +84,8 @@ def env_packages(env: dict) -> list[str]:
         line = line.split("#")[0].strip()
         if line == PROJECT_ITSELF:
             continue  # checked by test_env_installs_labkit_itself
+        if line.startswith(TORCH_INDEX_OPTION):
+            continue  # checked by test_environment_yml_uses_a_cuda_build_of_torch
         assert not line.startswith("-"), f"environment.yml pip option {line!r} is not understood by this test"
         names.append(normalize(Requirement(line).name))
     return names
@@ -102,10 +107,18 @@ def test_environment_yml_lists_each_pip_package_once(env):
 
 
 def test_environment_yml_uses_a_cuda_build_of_torch(env):
-    conda, _ = split_env(env)
+    # The tested torch as PyTorch's CUDA wheel of the pinned cuda-version: cu126 is torch 2.14's only
+    # build with Volta (sm_70) kernels, so V100 nodes work too (docs/gpu-node.md).
+    conda, pip = split_env(env)
     names = {conda_name(c) for c in conda}
-    assert names & {"pytorch-gpu", "pytorch-cuda"}, "torch must be the CUDA build on the GPU nodes"
     assert "cuda-version" in names, "pin the CUDA version so every CUDA package agrees"
+    cuda = re.search(r"(\d+)\.(\d+)", next(c for c in conda if conda_name(c) == "cuda-version"))
+    tag = f"cu{cuda.group(1)}{cuda.group(2)}"
+    assert f"{TORCH_INDEX_OPTION} https://download.pytorch.org/whl/{tag}" in pip
+    pins = {Requirement(p).name: str(Requirement(p).specifier) for p in pip if not p.startswith("-")}
+    assert pins["torch"] == f"=={TESTED_TORCH}+{tag}" and pins["torchvision"] == f"=={TESTED_TORCHVISION}+{tag}"
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"torch=={TESTED_TORCH} torchvision=={TESTED_TORCHVISION}" in makefile, "the CPU venv pins the same"
 
 
 def test_env_python_satisfies_requires_python(env, pyproject):

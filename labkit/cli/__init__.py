@@ -26,6 +26,7 @@ SUBCOMMANDS = {
     "grade": "grade",
     "slides": "slides",
     "bench": "bench",
+    "preflight": "preflight",
 }
 
 

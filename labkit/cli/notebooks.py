@@ -52,6 +52,8 @@ def run(ctx, names, profile, out_dir, timeout_s, kernel, params):
 
     Prints a table of notebook, status and seconds; exits 1 if any notebook failed, naming the cell.
     """
+    from labkit.envinfo import require
+    require(profile)  # a GPU profile without its GPUs: one line and exit 2 before any kernel starts
     parameters = {name: yaml.safe_load(value) for name, value in params}
     runs = nbk.run_notebooks(list(names) or None, profile=profile, out_dir=out_dir, timeout_s=timeout_s,
                              kernel=kernel, parameters=parameters, progress=lambda line: click.echo(line, err=True))

@@ -123,6 +123,14 @@ class Evidence:
     def profile(self) -> str:
         return str(self.params.get("PROFILE", "smoke"))
 
+    @property
+    def on_cpu(self) -> bool:
+        """True for a CPU profile (smoke, smoke-bf16, or an unknown name): timing floors do not apply."""
+        from labkit.profiles import PROFILES
+
+        make = PROFILES.get(self.profile)
+        return make is None or make().device == "cpu"
+
     def _last(self, kind: str, key: str) -> Recorded:
         for rec in reversed(self.recorded):
             if rec.kind == kind and rec.key == key:

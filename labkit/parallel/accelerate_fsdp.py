@@ -96,8 +96,11 @@ def for_strategy(strategy: str, profile: str = "smoke", *, nproc: int | None = N
 def config_dict(c: AccelerateFsdpConfig, *, use_cpu: bool = False) -> dict:
     """The YAML content `accelerate config` would write for `c` (accelerate 1.x, FSDP version 1)."""
     fsdp = {"fsdp_version": 1,
-            # accelerate >= 1.6 calls the FSDP1 key fsdp_reshard_after_forward; older configs (and most
-            # blog posts) name the same value fsdp_sharding_strategy -- both are accepted.
+            # Both keys, same value. accelerate >= 1.6 documents fsdp_reshard_after_forward for FSDP1, but
+            # its plugin takes sharding_strategy FIRST, and `accelerate launch` always sets it from
+            # --fsdp_sharding_strategy (default FULL_SHARD): with only the new key every variant would
+            # silently run FULL_SHARD (accelerate 1.15 FullyShardedDataParallelPlugin.__post_init__).
+            "fsdp_sharding_strategy": c.sharding_strategy,
             "fsdp_reshard_after_forward": c.sharding_strategy,
             "fsdp_auto_wrap_policy": c.auto_wrap_policy, "fsdp_offload_params": c.offload_params,
             "fsdp_cpu_ram_efficient_loading": c.cpu_ram_efficient_loading,
@@ -121,10 +124,56 @@ def write_config(c: AccelerateFsdpConfig, out: str | os.PathLike, name: str = "f
     path.parent.mkdir(parents=True, exist_ok=True)
     header = (f"# accelerate config written by labkit ({name}, FSDP1). Use it with:\n"
               f"#   accelerate launch --config_file {path.name} your_train.py\n"
-              "# fsdp_reshard_after_forward holds the FSDP1 sharding strategy (FULL_SHARD, SHARD_GRAD_OP,\n"
-              "# NO_SHARD, HYBRID_SHARD); older configs name the same key fsdp_sharding_strategy.\n")
+              "# fsdp_sharding_strategy and fsdp_reshard_after_forward both hold the FSDP1 sharding strategy\n"
+              "# (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD); accelerate reads the first one first.\n")
     path.write_text(header + yaml.safe_dump(config_dict(c, use_cpu=use_cpu), sort_keys=False), encoding="utf-8")
     return path
+
+
+def resolve_plugin(config_path: str | os.PathLike) -> dict:
+    """What accelerate itself makes of a config file: `accelerate launch`'s own argument parsing and
+    environment, then the FullyShardedDataParallelPlugin the ranks would build (no launch, no GPU).
+
+    Without an accelerator, the plugin's device probe for sync_module_states is stubbed (CUDA device 0);
+    sharding strategy, offload and prefetch come from accelerate's code unchanged. The preflight
+    compares them with what the labkit strategy asks for (`plugin_problems`).
+    """
+    from unittest import mock
+
+    import torch
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils import dataclasses as acc_dataclasses
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config_path), "train.py"])
+    args, *_ = _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args)
+    stub = [] if torch.cuda.is_available() else [
+        mock.patch.object(acc_dataclasses, "is_cuda_available", lambda: True),
+        mock.patch.object(torch.cuda, "current_device", lambda: 0)]
+    with mock.patch.dict(os.environ, env):
+        for patch in stub:
+            patch.start()
+        try:
+            plugin = FullyShardedDataParallelPlugin()
+        finally:
+            for patch in stub:
+                patch.stop()
+    sharding = plugin.sharding_strategy or plugin.reshard_after_forward  # what Accelerator.prepare passes
+    return {"sharding_strategy": sharding.name, "offload_params": bool(plugin.cpu_offload.offload_params),
+            "sync_module_states": bool(plugin.sync_module_states), "use_orig_params": bool(plugin.use_orig_params),
+            "mixed_precision": env.get("ACCELERATE_MIXED_PRECISION", "no")}
+
+
+def plugin_problems(strategy: str, profile: str, out: str | os.PathLike) -> list[str]:
+    """Differences between labkit `strategy` and what accelerate would build from its config ([] = none)."""
+    cfg = for_strategy(strategy, profile)
+    got = resolve_plugin(write_config(cfg, out, f"check-{strategy}"))
+    want = {"sharding_strategy": cfg.sharding_strategy, "offload_params": cfg.offload_params,
+            "sync_module_states": cfg.sync_module_states, "mixed_precision": cfg.mixed_precision}
+    return [f"{key}: config asks {value!r}, accelerate builds {got[key]!r}" for key, value in want.items()
+            if got[key] != value]
 
 
 def launch_command(config_path: str | os.PathLike, args: list[str]) -> list[str]:
@@ -197,7 +246,8 @@ def detect(accelerator, model) -> dict:
     kind = accelerator.distributed_type
     effective = kind == DistributedType.FSDP and type(model).__name__ == "FullyShardedDataParallel"
     return {"requested_fsdp": requested, "distributed_type": str(kind.value), "wrapper": type(model).__name__,
-            "fsdp_effective": effective, "silently_replaced": requested and not effective}
+            "fsdp_effective": effective, "silently_replaced": requested and not effective,
+            "mixed_precision": str(accelerator.mixed_precision)}
 
 
 def record_name(facts: dict, strategy: str) -> str:
@@ -246,7 +296,9 @@ def _train(args) -> None:
         losses.append(float(accelerator.reduce(loss.detach(), reduction="mean")))
         times.append(time.perf_counter() - t0)
     held = metrics.resident_bytes(model, optimizer, accelerator.device)
-    per_rank = accelerator.gather_for_metrics([tuple(held)], use_gather_object=True)
+    # The CUDA allocator's peak on GPU (unverified on hardware here); CPU runs record 0 (not tracked).
+    peak = torch.cuda.max_memory_allocated(accelerator.device) if accelerator.device.type == "cuda" else 0
+    per_rank = accelerator.gather_for_metrics([(*held, peak)], use_gather_object=True)
     if accelerator.is_main_process:
         results.append(_record(args, cfg, facts, losses, times, per_rank, n_params), cfg.out)
     accelerator.end_training()
@@ -264,12 +316,14 @@ def _record(args, cfg, facts: dict, losses: list, times: list, per_rank: list, n
     return results.RunRecord(
         strategy=record_name(facts, args.strategy), model=cfg.model, profile=cfg.profile, world_size=world,
         steps=len(losses), losses=losses, step_time_s=step, samples_per_s=cfg.batch / step if step else 0.0,
-        peak_bytes=[0] * world, param_bytes=list(cols[0]), grad_bytes=list(cols[1]),
+        peak_bytes=list(cols[4]), param_bytes=list(cols[0]), grad_bytes=list(cols[1]),
         optimizer_bytes=list(cols[2]), cpu_offload_bytes=list(cols[3]), trainable_params=n_params,
         device=get_profile(cfg.profile).device,
-        dtype=AMP_DTYPES[cfg.amp], global_batch=cfg.batch,
+        # The dtype accelerate trained in (the config's mixed_precision), not the profile's default.
+        dtype=AMP_DTYPES[{"no": "none"}.get(facts["mixed_precision"], facts["mixed_precision"])],
+        global_batch=cfg.batch,
         extra={"run_id": args.run_id, "requested_strategy": args.strategy, "accelerate_config": args.config,
-               "peak_measured": False, **facts})
+               "peak_measured": any(cols[4]), **facts})
 
 
 def _main(argv: list[str] | None = None) -> None:

@@ -47,6 +47,7 @@ def run(strategy: str, model: str, *, timeout_s: float | None = None, stream: bo
     batch, lr, channels_last, compile, checkpoint_every, resume, deadline, data, ...
     """
     cfg = make_config(strategy, model, **options)
+    require_hardware(cfg.profile)
     cls = parallel.strategy_class(cfg.strategy)
     if cfg.world_size == 1 and not cls.needs_process_group:
         return _in_process(cfg)
@@ -59,6 +60,13 @@ def run(strategy: str, model: str, *, timeout_s: float | None = None, stream: bo
     if cfg.node_rank != 0:
         return None
     return record_of(cfg.out, cfg.run_id)
+
+
+def require_hardware(profile: str) -> None:
+    """HardwareError in one line when this machine lacks the profile's GPUs (before any launch):
+    `labkit.envinfo.require`. CPU profiles pass without querying devices."""
+    from labkit import envinfo
+    envinfo.require(profile)
 
 
 def _in_process(cfg: TrainConfig) -> results.RunRecord:

@@ -163,11 +163,14 @@ class TrainConfig:
     def world_size(self) -> int:
         return self.nproc * self.nnodes
 
-    def resolve(self) -> "TrainConfig":
-        """A copy with every `None` replaced by the profile's value (idempotent)."""
+    def resolve(self, profile=None) -> "TrainConfig":
+        """A copy with every `None` replaced by the profile's value (idempotent). `amp` left None takes
+        the profile's dtype: a run that must be fp32 on every profile (a baseline) says amp='none'.
+        `profile`: a `Profile` object standing in for the named one (`labkit.profile_check` sizes
+        changed profiles with it)."""
         from labkit.profiles import get_profile
 
-        prof = get_profile(self.profile)
+        prof = profile if profile is not None else get_profile(self.profile)
         llm = self.kind == "llm"
         fill = dict(steps=prof.steps, lr=prof.lr, amp=_AMP_OF_DTYPE[prof.dtype],
                     batch=prof.llm_batch if llm else prof.image_batch, seq_len=prof.seq_len,

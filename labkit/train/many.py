@@ -45,8 +45,9 @@ def run_many(runs: list, model: str, *, nproc: int = 2, out: str = "runs", strea
     """
     from labkit import launch, parallel
     from labkit.profiles import get_profile
-    from labkit.train.api import make_config, record_of
+    from labkit.train.api import make_config, record_of, require_hardware
 
+    require_hardware(options.get("profile", "smoke"))  # one line before any launch, not a rank traceback
     configs = configs_for(runs, model, nproc=nproc, out=out, **options)
     if not configs and before is None:
         raise ConfigError("run_many got no runs and no `before` hook; pass strategy names such as ['ddp', 'fsdp']")

@@ -39,7 +39,7 @@ def _accum_peak_not_higher(ev: Evidence):
 
 def _amp_faster_on_gpu(ev: Evidence):
     # Tensor cores make AMP ~2.6x faster on A100 (NVIDIA: 2470 vs 938 img/s); CPU smoke runs prove nothing.
-    floor = 0.0 if ev.profile == "smoke" else 1.3
+    floor = 0.0 if ev.on_cpu else 1.3
     speedup = amp_speedup(ev)
     return speedup >= floor, f"AMP speedup {speedup:.2f}x (floor {floor:g}x on profile {ev.profile})"
 

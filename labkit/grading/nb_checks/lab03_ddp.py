@@ -50,7 +50,7 @@ def _speedup_floor(ev: Evidence):
     # scaling (NVIDIA: 84% at 8 GPUs with 256 images/GPU); CPU smoke ranks share 2 cores and cannot.
     runs = list(ladder(ev).values())
     speedup, n = runs[-1].samples_per_s / runs[0].samples_per_s, runs[-1].world_size
-    floor = 0.0 if ev.profile == "smoke" else 0.5 * n
+    floor = 0.0 if ev.on_cpu else 0.5 * n
     return speedup >= floor, f"{n}-rank speedup {speedup:.2f}x (floor {floor:g}x on profile {ev.profile})"
 
 

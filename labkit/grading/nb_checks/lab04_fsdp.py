@@ -48,10 +48,16 @@ def distributed_type(ev: Evidence) -> str:
     return str(ev.run("accelerate").extra["distributed_type"])
 
 
+#: Bytes per element of the gathered (unsharded) parameters by MixedPrecisionPolicy param_dtype.
+_GATHERED_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
 def _holds_all(ev: Evidence):
     # Measured, not memorised: the FSDP runs whose params between forward and backward were the full model.
+    # A run whose MixedPrecisionPolicy gathers bf16/fp16 holds half of ddp's fp32 bytes yet all params.
     full = ev.run("ddp").param_bytes[0]
-    holders = sorted(k for k in FSDP_RUNS if ev.run(k).extra.get("param_bytes_after_forward", 0) >= full)
+    holders = sorted(k for k in FSDP_RUNS if ev.run(k).extra.get("param_bytes_after_forward", 0)
+                     >= full * _GATHERED_BYTES.get(ev.run(k).extra.get("param_dtype"), 4) / 4)
     if not holders:
         raise CheckFailed("no FSDP run recorded its parameter bytes after forward; re-run section 2")
     got = ev.answer("04.holds_all_params")

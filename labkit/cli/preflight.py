@@ -1,0 +1,41 @@
+"""`labkit preflight --profile P [--json]`: prove a node ready for the labs (core: `labkit.preflight`).
+
+    labkit preflight --profile a100x4            # on the node, the day before the lab
+    labkit preflight --profile smoke --json      # CI: every strategy of `labkit train` on CPU
+
+One line per check (status, seconds, peak, and the fix for a failure); exit 0 only if all pass, 1 if
+any failed, 2 when the machine lacks the profile's GPUs. OUT/preflight.json keeps the probes.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import sys
+
+import click
+
+
+@click.command("preflight", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--profile", default="smoke", show_default=True, help="smoke, smoke-bf16, a100x1, a100x4, h100x1, v100x4")
+@click.option("--out", default=None, help="folder for preflight.json and the runs [build/preflight/PROFILE]")
+@click.option("--steps", type=int, default=3, show_default=True, help="optimizer steps per strategy")
+@click.option("--json", "as_json", is_flag=True, help="print a JSON list of checks instead of lines")
+@click.pass_context
+def command(ctx, profile: str, out: str | None, steps: int, as_json: bool) -> None:
+    """Train every strategy the profile's labs use for a few steps, probe all-reduce and matmul,
+    and check that every lab's runs resolve and fit; exit 0 only if all pass."""
+    from labkit import preflight
+
+    folder = out or f"build/preflight/{profile}"
+    with contextlib.redirect_stdout(sys.stderr):  # the runs' own messages must not mix into --json
+        checks = preflight.run(profile, out=folder, steps=steps)
+    if as_json:
+        click.echo(json.dumps([dataclasses.asdict(c) for c in checks], indent=1))
+    else:
+        for check in checks:
+            click.echo(check.line())
+        bad = sum(c.status != "ok" for c in checks)
+        click.echo(f"{len(checks) - bad} of {len(checks)} checks ok; details in {folder}/{preflight.RESULT_FILE}")
+    if not preflight.passed(checks):
+        ctx.exit(1)
