@@ -42,3 +42,22 @@ def run_cells(tmp_path):
 def stream_text(cell) -> str:
     """All stdout/stderr text a notebook cell printed."""
     return "".join(out.get("text", "") for out in cell.get("outputs", []) if out.get("output_type") == "stream")
+
+
+def live_children() -> list:
+    """This process's live descendants that a test may have left behind (zombies already reaped excluded).
+
+    Python's multiprocessing resource tracker is not counted: `mp.spawn` (tests/_reference.py) starts it
+    once per interpreter as a child of pytest, and it lives, idle, until pytest exits. It is Python's,
+    not a labkit process, and no labkit code starts it."""
+    import psutil
+
+    out = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and not any(
+                    "multiprocessing.resource_tracker" in part for part in child.cmdline()):
+                out.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return out

@@ -12,9 +12,10 @@ import os
 import subprocess
 from pathlib import Path
 
-import psutil
 import pytest
 from click.testing import CliRunner
+
+from conftest import live_children
 
 import labkit
 from labkit.cli import cli, main
@@ -188,7 +189,7 @@ def test_hostile_submissions_touch_nothing_but_their_own_row(tmp_path, monkeypat
     assert hostile.PRIVATE_MARK.encode() not in written and b"0.4242, rtol" not in written
     with (out / "received.csv").open(newline="") as fh:
         assert {r["changed_during_batch"] for r in csv.DictReader(fh)} == {"no"}
-    assert psutil.Process().children(recursive=True) == []
+    assert live_children() == []
 
 
 def _limits():

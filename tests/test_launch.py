@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import TESTS_DIR, stream_text
+from conftest import TESTS_DIR, live_children, stream_text
 from labkit import launch
 from labkit.errors import ConfigError, LaunchError
 
@@ -67,15 +67,6 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def live_children() -> list[psutil.Process]:
-    out = []
-    for c in psutil.Process().children(recursive=True):
-        try:
-            if c.status() != psutil.STATUS_ZOMBIE:
-                out.append(c)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def assert_nothing_left(pid_dir: Path, others: tuple[int, ...] = (), within_s: float = SLOW_S) -> None:
