@@ -26,6 +26,7 @@ Introduced in notebook 07_model_parallel.
 """
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import math
 import os
@@ -119,6 +120,31 @@ def read_perf_file(path: Path, gpu: str, precision: str) -> Efficiency | None:
             tool = row.get("tool", "a measurement")
             return Efficiency(float(value), f"measured on this node by {tool} ({path})")
     return None
+
+
+def record_measurement(gpu: str, precision: str, tflops: float, *, tool: str, path: Path | None = None) -> Path:
+    """Add (or replace) this node's measured matmul efficiency in the perf file the planner reads.
+
+    efficiency = tflops / the GPU's peak (GPUS). Written by `labkit preflight` on a GPU node; the file is
+    `$LABKIT_MATMUL_FILE`, else matmul_efficiency.json in labkit's cache folder."""
+    if gpu not in GPUS:
+        raise choices_error("gpu", gpu, GPUS)
+    path = Path(path or os.environ.get(PERF_FILE_ENV) or cache_root() / PERF_FILE_NAME).expanduser()
+    rows = []
+    if path.exists():
+        try:
+            rows = json.loads(path.read_text())["measurements"]
+        except (OSError, ValueError, KeyError, TypeError):
+            rows = []  # an unreadable file is replaced by this measurement
+    row = {"gpu": gpu, "precision": precision, "efficiency": round(min(1.0, tflops / GPUS[gpu].peak_tflops), 4),
+           "tflops": round(tflops, 2), "tool": tool,
+           "measured_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    rows = [r for r in rows if not (r.get("gpu") == gpu and r.get("precision", "bf16") == precision)] + [row]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"measurements": rows}, indent=1))
+    tmp.replace(path)
+    return path
 
 
 def matmul_efficiency(gpu: str, precision: str = "bf16", *, override: float | None = None,

@@ -104,8 +104,32 @@ def run(profile: str | Profile, *, out: str | Path = "build/preflight", steps: i
     (out / "probes.json").unlink(missing_ok=True)  # a stale file must not pass for this run's probes
     checks += _train_many(prof, many, common, out)
     checks += probe_checks(out, prof)
+    checks += record_matmul(out, prof)
     _write(out / RESULT_FILE, prof, checks)
     return checks
+
+
+#: The planner's name (labkit.perf_model.GPUS) of each GPU profile's card.
+PLANNER_GPU = {"a100x1": "a100-80gb", "a100x4": "a100-80gb", "h100x1": "h100-80gb", "v100x4": "v100-32gb"}
+
+
+def record_matmul(out: Path, profile: Profile) -> list[Check]:
+    """On a GPU node, hand the matmul probe to the planner: `labkit plan` then uses this node's measured
+    efficiency instead of the published default (labkit.perf_model.record_measurement). CPU: nothing."""
+    from labkit import perf_model
+
+    path = out / "probes.json"
+    gpu = PLANNER_GPU.get(profile.name)
+    if profile.device != "cuda" or gpu is None or not path.is_file():
+        return []
+    m = json.loads(path.read_text(encoding="utf-8")).get("matmul") or {}
+    if not m.get("tflops"):
+        return []
+    precision = "fp16" if profile.dtype == "float16" else "bf16"
+    saved = perf_model.record_measurement(gpu, precision, m["tflops"], tool="labkit preflight")
+    return [Check("probe", "matmul -> planner", "ok", 0.0,
+                  f"{m['tflops']:.1f} TFLOPS = {m['tflops'] / perf_model.GPUS[gpu].peak_tflops:.0%} of {gpu}'s "
+                  f"{precision} peak, saved to {saved} for `labkit plan`")]
 
 
 def accelerate_checks(profile: Profile, out: Path, steps: int) -> list[Check]:
