@@ -61,7 +61,8 @@ class Check:
 def runs_for(profile: Profile) -> list[tuple[str, str, dict]]:
     """(strategy, model, options) to train: every strategy on smoke profiles, else the labs' ones."""
     if profile.device == "cpu":
-        return [(name, profile.llm_model, {}) for name in parallel.STRATEGIES]
+        return [(name, parallel.strategy_class(name).example_model or profile.llm_model, {})
+                for name in parallel.STRATEGIES]
     seen: dict[tuple[str, str], dict] = {}
     for _lab, _label, strategy, model, options in profile_check.lab_runs(profile):
         own = {k: v for k, v in options.items() if k != "nproc"}

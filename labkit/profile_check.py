@@ -97,6 +97,12 @@ def lab_runs(profile: Profile) -> list[tuple[str, str, str, str, dict]]:
         runs += [("07_model_parallel", s, s, llm, dict(nproc=n, amp=pipe_amp, microbatches=2 * n))
                  for s in ("pipeline-gpipe", "pipeline-1f1b", "tensor-fsdp")]
         runs += [("08_profiling", s, s, llm, dict(nproc=n)) for s in ("ddp", "fsdp", "fsdp-qlora")]
+        runs += [("09_beyond_3d", s, s, llm, dict(nproc=n, amp=pipe_amp, microbatches=2 * n))
+                 for s in ("pipeline-interleaved", "pipeline-zero-bubble")]
+        runs += [("09_beyond_3d", "context-parallel", "context-parallel", llm, dict(nproc=n, amp=pipe_amp)),
+                 ("09_beyond_3d", "moe single", "single", "tiny-moe", dict(amp=pipe_amp)),
+                 ("09_beyond_3d", "expert-parallel", "expert-parallel", "tiny-moe", dict(nproc=n, amp=pipe_amp))]
+    # Not listed: 04's "DDP runs out of memory where FSDP fits" pair, whose DDP run must not fit.
     return runs
 
 
@@ -122,9 +128,11 @@ def memory_config(cfg):
             fields["zero"] = 3
     tp = world // dp if cfg.strategy.startswith("tensor") else 1
     pp = world if cfg.strategy.startswith("pipeline") else 1
+    cp = world if cfg.strategy == "context-parallel" else 1  # each rank holds 1/cp of every sequence
+    ep = world if cfg.strategy == "expert-parallel" else 1  # and 1/ep of the experts
     optimizer = cfg.optimizer or ("paged-adamw-8bit" if "qlora" in cfg.strategy else "adamw")
     return MemoryConfig(model=cfg.model, precision=_PRECISION[cfg.amp], optimizer=optimizer, dp=dp, tp=tp, pp=pp,
-                        batch=max(cfg.accum, cfg.batch // dp), grad_accum=cfg.accum,
+                        cp=cp, ep=ep, batch=max(cfg.accum, cfg.batch // dp), grad_accum=cfg.accum,
                         seq=cfg.seq_len if cfg.kind == "llm" else None,
                         # ResNet checkpointing is not modelled: its bytes without it are an upper bound.
                         checkpointing="full" if cfg.checkpointing and cfg.kind == "llm" else "none", **fields)

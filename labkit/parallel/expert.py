@@ -129,6 +129,8 @@ def expert_bytes(model: nn.Module) -> int:
 class ExpertParallelStrategy(Strategy):
     """Hook for 'expert-parallel': data parallel everywhere except the experts, which are split."""
 
+    example_model = "tiny-moe"  # a dense LLM has no experts to place
+
     @classmethod
     def check(cls, cfg, world_size: int) -> None:
         from labkit.models import llm_config

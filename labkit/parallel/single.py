@@ -55,6 +55,8 @@ class Strategy:
     needs_process_group = True
     #: Upper bound on ranks (1 for 'single'), None for any.
     max_world_size: int | None = None
+    example_model: str | None = None
+    """A model this strategy needs instead of the profile's LLM when trained as an example (preflight)."""
 
     def __init__(self, name: str, ctx: DistContext, cfg, task):
         self.name, self.ctx, self.cfg, self.task = name, ctx, cfg, task
