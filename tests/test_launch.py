@@ -167,17 +167,49 @@ def test_timeout_kills_every_rank(target_env, pid_dir, log_dir):
     assert_nothing_left(pid_dir)
 
 
+_LAUNCHERS: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_outlives_its_test():
+    """A failed test must not leave its launcher's tree behind for the next tests to trip over."""
+    yield
+    while _LAUNCHERS:
+        proc = _LAUNCHERS.pop()
+        if proc.poll() is None:
+            try:
+                tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                tree = []
+            for p in tree:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(tree, timeout=SLOW_S)
+        if proc.stdout is not None and not proc.stdout.closed:
+            proc.stdout.close()
+        proc.wait()
+
+
 def start_launcher(target_env, log_dir, mode="hang") -> subprocess.Popen:
-    """A Python process whose main thread sits in `launch.run` (as a terminal's or a kernel's does)."""
+    """A Python process whose main thread sits in `launch.run` (as a terminal's or a kernel's does).
+
+    SIGINT raises KeyboardInterrupt in it as in a terminal or a Jupyter kernel, even when the suite
+    itself was started from a background job (which leaves SIGINT ignored in every child)."""
     code = textwrap.dedent(f"""
+        import signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from labkit import launch
         try:
             launch.run({TARGET!r}, [{mode!r}], nproc=2, timeout_s=600, log_dir={log_dir!r})
         except KeyboardInterrupt:
             print("interrupted", flush=True)
     """)
-    return subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **target_env},
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **target_env},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _LAUNCHERS.append(proc)
+    return proc
 
 
 def wait_for_ranks(pid_dir: Path, proc: subprocess.Popen) -> None:
