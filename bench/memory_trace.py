@@ -31,7 +31,7 @@ GOAL_7B_S, GOAL_7B_RSS = 60.0, 4e9
 def one(name: str) -> dict:
     """Trace one setup in this process; report sizes, seconds and peak RSS."""
     from labkit.memory.estimate import MemoryConfig, estimate
-    from labkit.memory.trace import trace
+    from labkit.memory.dry_run import trace
 
     cfg = MemoryConfig(**SETUPS[name])
     start = time.perf_counter()

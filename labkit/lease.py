@@ -37,9 +37,34 @@ def lease_end(environ: Mapping[str, str] | None = None) -> dt.datetime | None:
         return when
     ref = environ.get(ENV_LEASE, "").strip()
     if ref:
-        from labkit.reserve import chi  # python-chi only when asked for: it needs credentials
-        return chi.lease_end(ref)
+        return chi_lease_end(ref)  # python-chi only when asked for: it needs credentials
     return None
+
+
+def require_chi():
+    """The `chi` module, or a `ReservationError` that says how to get it."""
+    try:
+        import chi  # noqa: F401
+        import chi.lease  # noqa: F401
+        import chi.server  # noqa: F401
+    except ImportError as exc:
+        raise ReservationError(
+            "python-chi is not installed, and talking to Chameleon needs it: `pip install python-chi` "
+            "(it is preinstalled on Chameleon's Jupyter, jupyter.chameleoncloud.org); for a check "
+            "without credentials use `labkit reserve check LEASES.csv` or `create --dry-run`") from exc
+    return chi
+
+
+def _aware_utc(value) -> dt.datetime:
+    when = value if isinstance(value, dt.datetime) else dt.datetime.fromisoformat(str(value))
+    return when.replace(tzinfo=dt.timezone.utc) if when.tzinfo is None else when
+
+
+def chi_lease_end(ref: str) -> dt.datetime:
+    """End of the lease named or id'd `ref`, aware (Blazar reports naive UTC)."""
+    lease = require_chi().lease.get_lease(ref)
+    value = lease["end_date"] if isinstance(lease, dict) else lease.end_date
+    return _aware_utc(value)
 
 
 def remaining(now: dt.datetime | None = None, environ: Mapping[str, str] | None = None) -> dt.timedelta | None:

@@ -126,10 +126,10 @@ def latest(path: str | os.PathLike, **match: Any) -> RunRecord:
 
 # ---------------------------------------------------------------- notebooks
 def _publish(payload: dict[str, Any], text: str) -> None:
-    """Display `payload` sealed with a fingerprint of the running cell and environment (labkit.grading)."""
+    """Display `payload` sealed with a fingerprint of the running cell and environment (labkit.course.grading)."""
     from IPython.display import display
 
-    from labkit.grading.fingerprint import seal
+    from labkit.course.grading.fingerprint import seal
     display({MIME: seal(payload, text), "text/plain": text}, raw=True)
 
 
@@ -150,7 +150,7 @@ def answer(key: str, value: Any) -> Any:
 def from_notebook(nb) -> list[dict[str, Any]]:
     """Every labkit payload in an executed notebook (nbformat node), in cell order, with cell index.
 
-    Payloads keep their `fingerprint` (the seal `labkit.grading.tamper` verifies)."""
+    Payloads keep their `fingerprint` (the seal `labkit.course.grading.tamper` verifies)."""
     found = []
     for index, cell in enumerate(nb.cells):
         for output in cell.get("outputs", []) if cell.cell_type == "code" else []:

@@ -1,12 +1,12 @@
-"""labkit.budget: 6 N D, the Chinchilla count, and the planner's layouts ranked by cost (planner.budget)."""
+"""labkit.parallel.budget: 6 N D, the Chinchilla count, and the planner's layouts ranked by cost (planner.budget)."""
 from __future__ import annotations
 
 import pytest
 
-from labkit import budget as B
+from labkit.parallel import budget as B
 from labkit.errors import ConfigError
 from labkit.memory.params import model_spec
-from labkit.perf_model import GPUS
+from labkit.parallel.perf_model import GPUS
 
 
 def test_six_n_d_and_chinchilla():

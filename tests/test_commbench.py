@@ -1,4 +1,4 @@
-"""`labkit bench comm` (labkit.commbench): nccl-tests' bus-bandwidth factors, sizes, the measurement file
+"""`labkit bench comm` (labkit.profiling.commbench): nccl-tests' bus-bandwidth factors, sizes, the measurement file
 and its reader, and one real 2-rank gloo run through the CLI."""
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from labkit import cli, commbench
+from labkit import cli
+from labkit.profiling import commbench
 from labkit.errors import ConfigError
 
 

@@ -84,7 +84,7 @@ def test_estimate_with_cp_is_a_trace_of_the_shorter_chunk_plus_the_ring_blocks()
     (traced on fake tensors), plus the K/V blocks it received from the other rank."""
     from labkit.memory.estimate import MemoryConfig, estimate
     from labkit.memory.params import model_spec
-    from labkit.memory.trace import trace
+    from labkit.memory.dry_run import trace
 
     cp = estimate(MemoryConfig(model="tiny-llama", precision="fp32", batch=2, seq=64, cp=2, gpus=2))
     chunk = trace(MemoryConfig(model="tiny-llama", precision="fp32", batch=2, seq=32))
@@ -99,7 +99,7 @@ def test_estimate_with_cp_is_a_trace_of_the_shorter_chunk_plus_the_ring_blocks()
 
 
 def test_plan_tries_context_parallel_only_for_long_sequences():
-    from labkit import planner
+    from labkit.parallel import planner
 
     long = planner.plan(planner.PlanRequest(model="llama3-8b", gpus=8, gpus_per_node=8, seq=32768, batch=8))
     with_cp = [o for o in long.fits + long.too_big if o.cp > 1]

@@ -1,4 +1,4 @@
-"""labkit.figures: the tables behind the lecture figures agree with the papers and with labkit's other
+"""labkit.viz.figures: the tables behind the lecture figures agree with the papers and with labkit's other
 models (pipeline bubble, schedule_plot, memory estimate, planner); every figure draws headless."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from labkit import figures as F  # noqa: E402
+from labkit.viz import figures as F  # noqa: E402
 from labkit.errors import ConfigError  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def test_pipeline_table_bubble_matches_the_formula_and_respects_dependencies(sch
 
 
 def test_pipeline_table_agrees_with_schedule_plot():
-    from labkit.schedule_plot import max_in_flight, measured_bubble, replay
+    from labkit.viz.pipeline_schedule import max_in_flight, measured_bubble, replay
 
     table = F.pipeline_table(4, 8, "1f1b")
     events = F.schedule_events(table)
@@ -121,7 +121,7 @@ def test_lora_update_counts_r_times_d_plus_k():
 
 
 def test_plan_chart_draws_the_planners_best_layouts():
-    from labkit import planner
+    from labkit.parallel import planner
 
     fig = F.plan_chart("gpt3-175b", 64, 8, top=5)
     best = planner.plan(planner.PlanRequest(model="gpt3-175b", gpus=64, gpus_per_node=8)).fits[:5]

@@ -308,7 +308,7 @@ def test_bf16_lora_measurement_excludes_the_fp32_build():
 
 def test_cuda_measurement_resets_the_peak_after_build_and_cast(monkeypatch):
     from labkit.memory import measure as M
-    from labkit.memory import trace as T
+    from labkit.memory import dry_run as T
     from labkit.memory.estimate import MemoryConfig
 
     log: list = []
@@ -366,7 +366,7 @@ def _cuda_trace() -> dict:
 
 
 def test_cuda_trace_shares_come_from_the_gpu_streams():
-    from labkit.trace_analysis import CATEGORIES, time_breakdown
+    from labkit.profiling.traces import CATEGORIES, time_breakdown
 
     got = time_breakdown(_cuda_trace())
     assert got["source"] == "gpu streams"
@@ -383,7 +383,7 @@ def test_cuda_trace_shares_come_from_the_gpu_streams():
 
 
 def test_cpu_traces_keep_the_training_thread_shares():
-    from labkit.trace_analysis import time_breakdown
+    from labkit.profiling.traces import time_breakdown
 
     trace = _cuda_trace()
     trace["traceEvents"] = [e for e in trace["traceEvents"] if e.get("pid") != 0]
@@ -395,7 +395,7 @@ def test_cpu_traces_keep_the_training_thread_shares():
 def test_the_summary_of_a_cuda_trace_reports_exposed_communication(tmp_path):
     import json
 
-    from labkit import profiling
+    from labkit.profiling import profiler as profiling
 
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(_cuda_trace()))

@@ -1,4 +1,4 @@
-"""GPU profiles checked on CPU: every lab run resolves and fits (labkit.profile_check), the precision
+"""GPU profiles checked on CPU: every lab run resolves and fits (labkit.course.profile_check), the precision
 suits each GPU, a GPU profile without its GPUs stops in one line, and `labkit preflight` passes."""
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit import envinfo, parallel
-from labkit import notebooks as nbk
-from labkit import profile_check as pc
+from labkit import parallel
+from labkit import envinfo
+from labkit.course import notebooks as nbk
+from labkit.course import profile_check as pc
 from labkit.cli import main
 from labkit.errors import HardwareError
 from labkit.profiles import PROFILES, get_profile
@@ -182,8 +183,8 @@ def test_preflight_smoke_trains_every_strategy_and_probes(tmp_path):
 def test_lab04_finds_the_grad_op_run_in_either_precision(dtype, held):
     from test_grading_units import _answer, _nb, _run
 
-    from labkit.grading.evidence import Evidence
-    from labkit.grading.nb_checks import lab04_fsdp as lab04
+    from labkit.course.grading.evidence import Evidence
+    from labkit.course.grading.nb_checks import lab04_fsdp as lab04
 
     full = 400 * 2**20
     runs = [_run("ddp", strategy="ddp", param_bytes=[full] * 4)]

@@ -16,10 +16,10 @@ import pytest
 from click.testing import CliRunner
 
 from labkit.cli import cli, main
-from labkit.grading import registry
-from labkit.grading.batch import GradeOptions, run_batch
-from labkit.grading.isolation import detect
-from labkit.grading.sandbox import Limits
+from labkit.course.grading import registry
+from labkit.course.grading.batch import GradeOptions, run_batch
+from labkit.course.grading.isolation import detect
+from labkit.course.grading.sandbox import Limits
 
 pytestmark = pytest.mark.slow
 

@@ -9,15 +9,15 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook, new_output
 
-from labkit.grading import nb_checks, registry
-from labkit.grading.evaluate import grade_notebook
-from labkit.grading.evidence import Evidence, identity
-from labkit.grading.fingerprint import seal
-from labkit.grading.nb_checks import lab00_setup
+from labkit.course.grading import nb_checks, registry
+from labkit.course.grading.evaluate import grade_notebook
+from labkit.course.grading.evidence import Evidence, identity
+from labkit.course.grading.fingerprint import seal
+from labkit.course.grading.nb_checks import lab00_setup
 from labkit.results import MIME
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-#: Notebooks with a checks module in labkit/grading/nb_checks (not test registrations).
+#: Notebooks with a checks module in labkit/course/grading/nb_checks (not test registrations).
 COURSE = sorted(m.name[3:] for m in pkgutil.iter_modules(nb_checks.__path__) if m.name.startswith("lab"))
 
 

@@ -19,9 +19,9 @@ from conftest import live_children
 
 import labkit
 from labkit.cli import cli, main
-from labkit.grading import isolation, registry
-from labkit.grading.batch import GradeOptions, run_batch
-from labkit.grading.isolation import BUBBLEWRAP, MOUNT_NS, NONE, Isolation, View, command, mount_plan
+from labkit.course.grading import isolation, registry
+from labkit.course.grading.batch import GradeOptions, run_batch
+from labkit.course.grading.isolation import BUBBLEWRAP, MOUNT_NS, NONE, Isolation, View, command, mount_plan
 
 
 def _load(name: str, path: str):
@@ -193,7 +193,7 @@ def test_hostile_submissions_touch_nothing_but_their_own_row(tmp_path, monkeypat
 
 
 def _limits():
-    from labkit.grading.sandbox import Limits
+    from labkit.course.grading.sandbox import Limits
     return Limits(timeout_s=60, memory_bytes=int(1.5 * 2**30), scratch_bytes=64 * 2**20)
 
 
@@ -236,7 +236,7 @@ def test_the_unshare_fallback_grades_honest_work_and_stops_hostile_work(tmp_path
 def test_each_execution_gets_a_private_copy_of_the_torch_extensions_cache(tmp_path, monkeypatch):
     """DeepSpeed takes a lock file in TORCH_EXTENSIONS_DIR even to load a built op: read-only there, so the
     executor copies the cache into its scratch (a stale lock left out: it would make the load wait forever)."""
-    from labkit.grading.sandbox import _private_extensions
+    from labkit.course.grading.sandbox import _private_extensions
 
     cache, scratch = tmp_path / "ext", tmp_path / "scratch"
     (cache / "cpu_adam").mkdir(parents=True)

@@ -7,11 +7,11 @@ import json
 import nbformat
 from nbformat.v4 import new_code_cell, new_notebook, new_output
 
-from labkit import commbench
-from labkit.grading import registry
-from labkit.grading.evaluate import grade_notebook
-from labkit.grading.fingerprint import seal
-from labkit.grading.nb_checks import lab09_beyond_3d as L
+from labkit.profiling import commbench
+from labkit.course.grading import registry
+from labkit.course.grading.evaluate import grade_notebook
+from labkit.course.grading.fingerprint import seal
+from labkit.course.grading.nb_checks import lab09_beyond_3d as L
 from labkit.results import MIME
 
 NOTEBOOK = "09_beyond_3d"

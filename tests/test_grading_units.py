@@ -9,13 +9,13 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook, new_output
 
 from labkit.errors import ConfigError, GradingError
-from labkit.grading import checks as K
-from labkit.grading import feedback, gradebook, registry, tamper
-from labkit.grading.batch import GradeOptions, find_submissions
-from labkit.grading.evaluate import Grade, SubmissionProblem, grade_notebook, load_notebook
-from labkit.grading.evidence import Evidence
-from labkit.grading.fingerprint import cell_sha256, seal, seal_problem
-from labkit.grading.sandbox import Limits
+from labkit.course.grading import checks as K
+from labkit.course.grading import feedback, gradebook, registry, tamper
+from labkit.course.grading.batch import GradeOptions, find_submissions
+from labkit.course.grading.evaluate import Grade, SubmissionProblem, grade_notebook, load_notebook
+from labkit.course.grading.evidence import Evidence
+from labkit.course.grading.fingerprint import cell_sha256, seal, seal_problem
+from labkit.course.grading.sandbox import Limits
 from labkit.results import MIME
 
 RUN = dict(strategy="ddp", model="resnet50", profile="a100x4", world_size=4, steps=10, losses=[2.0, 1.0],
@@ -165,7 +165,7 @@ def test_check_and_registry_validation():
 
 def test_private_checks_file_adds_hidden_checks(tmp_path):
     path = tmp_path / "private.py"
-    path.write_text("from labkit.grading.checks import answer_close\n"
+    path.write_text("from labkit.course.grading.checks import answer_close\n"
                     "CHECKS = {'t_private': [answer_close('hidden one', 2, 'a', 1.0, visible=False)]}\n")
     try:
         assert registry.load_file(path) == ["t_private"]

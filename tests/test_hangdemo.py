@@ -1,4 +1,4 @@
-"""The hang-debugging demo (labkit.hangdemo): one rank skips a collective, the launcher's timeout stops
+"""The hang-debugging demo (labkit.profiling.hangdemo): one rank skips a collective, the launcher's timeout stops
 every rank, and each rank's faulthandler dump says where it waited."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 import psutil
 import pytest
 
-from labkit import hangdemo
+from labkit.profiling import hangdemo
 
 DUMP = """rank 0 pid 4242 started
 Timeout (0:00:02)!
@@ -39,7 +39,7 @@ def test_skipped_collective_hangs_until_the_launcher_stops_every_rank(tmp_path):
     from labkit.errors import LaunchError
 
     with pytest.raises(LaunchError, match="did not finish within timeout_s") as info:
-        launch.run("labkit.hangdemo", ["--dump-after", "2"], nproc=2, timeout_s=30, log_dir=str(tmp_path),
+        launch.run("labkit.profiling.hangdemo", ["--dump-after", "2"], nproc=2, timeout_s=30, log_dir=str(tmp_path),
                    stream=False)
     assert "step 1: mean loss" in info.value.output  # it ran, then hung
     frames = hangdemo.stuck_frames(tmp_path)

@@ -290,9 +290,9 @@ def test_gpu_capacities_have_one_definition_used_everywhere(tmp_path):
     import re
     from pathlib import Path
 
-    from labkit import oom
-    from labkit.grading.nb_checks import lab05_zero, lab06_peft
-    from labkit.grading.tamper import device_spec
+    from labkit.profiling import oom
+    from labkit.course.grading.nb_checks import lab05_zero, lab06_peft
+    from labkit.course.grading.tamper import device_spec
 
     assert GPU_CAPACITIES["RTX 4090 24GB"] == 24_564 * 2**20 and "V100 32GB" in GPU_CAPACITIES
     assert lab05_zero.GPU_BYTES == lab06_peft.GPU_BYTES == GPU_CAPACITIES["RTX 4090 24GB"]

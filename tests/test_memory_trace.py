@@ -14,7 +14,7 @@ from labkit.cli.memory import command
 from labkit.errors import ConfigError
 from labkit.memory.estimate import MemoryConfig, estimate
 from labkit.memory.measure import measure
-from labkit.memory.trace import trace
+from labkit.memory.dry_run import trace
 
 CASES = {
     "tiny-llama fp32": dict(model="tiny-llama", precision="fp32", batch=2, seq=32),

@@ -9,8 +9,8 @@ import pytest  # noqa: E402
 
 from labkit.errors import ConfigError  # noqa: E402
 from labkit.memory.estimate import MemoryConfig, estimate  # noqa: E402
-from labkit.plots import memory_stack  # noqa: E402
-from labkit.widgets import memory_calculator  # noqa: E402
+from labkit.viz.plots import memory_stack  # noqa: E402
+from labkit.viz.widgets import memory_calculator  # noqa: E402
 
 
 def test_calculator_renders_headless_and_finds_the_fix():
@@ -55,6 +55,6 @@ def test_memory_stack_draws_four_parts_per_bar():
 def test_planner_widget_prints_its_first_ranking_as_ordinary_output(run_cells):
     from conftest import stream_text
 
-    nb = run_cells("from labkit.widgets import planner_widget\nform = planner_widget()")
+    nb = run_cells("from labkit.viz.widgets import planner_widget\nform = planner_widget()")
     cell = nb.cells[0]
     assert "layout(s) fit" in stream_text(cell)  # a papermill-run notebook keeps this

@@ -75,14 +75,14 @@ def test_estimate_agrees_with_a_measured_step(precision, batch, seq):
 
 def test_trace_refuses_moe_routing_and_names_measure():
     from labkit.memory.estimate import MemoryConfig
-    from labkit.memory.trace import trace
+    from labkit.memory.dry_run import trace
 
     with pytest.raises(ConfigError, match="labkit memory measure"):
         trace(MemoryConfig(model="tiny-moe", precision="fp32", batch=2, seq=32))
 
 
 def test_plan_tries_expert_parallel_only_for_moe_models():
-    from labkit import planner
+    from labkit.parallel import planner
 
     moe = planner.plan(planner.PlanRequest(model="tiny-moe", gpus=4, gpus_per_node=4))
     assert {o.ep for o in moe.fits} == {1, 2, 4}

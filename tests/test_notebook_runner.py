@@ -1,4 +1,4 @@
-"""The notebook runner, hygiene check and cleaner (labkit.notebooks) on throwaway notebooks."""
+"""The notebook runner, hygiene check and cleaner (labkit.course.notebooks) on throwaway notebooks."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import os
 import nbformat
 import pytest
 
-from labkit import notebooks as nbk
+from labkit.course import notebooks as nbk
 from labkit.cli import main
 from labkit.errors import ConfigError, NotebookError
 from labkit.results import from_notebook

@@ -24,7 +24,7 @@ def test_no_notebook_cites_the_course_seeds(key):
 
 
 def test_oom_scenarios_state_their_sources(tmp_path):
-    from labkit import oom
+    from labkit.profiling import oom
 
     titles = {key: s[3] for key, s in oom.scenarios(tmp_path).items()}
     assert all("seed" not in t for t in titles.values())

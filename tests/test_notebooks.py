@@ -4,7 +4,7 @@ Parametrized over the notebooks that exist when pytest collects, so a notebook a
 or reservations/ is covered without touching this file. Executed copies go to build/executed/
 (reservations' to build/executed/reservations/), where the grading tests read them; smoke-bf16's go to
 build/executed-smoke-bf16/.
-Also tests the lease plan that notebook 00_setup shows (labkit.lease_plan).
+Also tests the lease plan that notebook 00_setup shows (labkit.course.lease_timeline).
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit import lease_plan as lp
-from labkit import notebooks as nbk
+from labkit.course import lease_timeline as lp
+from labkit.course import notebooks as nbk
 from labkit.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +60,7 @@ def test_notebook_runs_in_smoke_profile(path, profile):
 
 def check_02_precisions(executed: Path) -> None:
     """The 02 baseline is fp32 and the AMP run bf16 on every profile (the AMP speedup is fp32 vs bf16)."""
-    from labkit.grading.evidence import Evidence
+    from labkit.course.grading.evidence import Evidence
 
     ev = Evidence.from_notebook(nbformat.read(executed, as_version=4))
     dtypes = {key: ev.run(key).dtype for key in ("baseline", "accum", "checkpointing", "amp", "channels_last")}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from labkit import oom
+from labkit.profiling import oom
 from labkit.memory.estimate import MemoryConfig, estimate
 
 GB = oom.GB

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (labkit.parallel.pipeline) and its schedule diagram (labkit.schedule_plot).
+"""Pipeline parallelism (labkit.parallel.pipeline) and its schedule diagram (labkit.viz.pipeline_schedule).
 
 One spawned 2-rank gloo job (module fixture) trains tiny-llama 3 steps with GPipe and with 1F1B on
 the same batches as the single-process reference; it reports losses, local parameter counts and the
@@ -17,7 +17,7 @@ from _reference import BATCH, LR, SEQ, spawn_two_ranks, token_batches
 from _reference import reference_losses as _reference_losses
 from labkit.errors import ConfigError
 from labkit.parallel import pipeline as P
-from labkit.schedule_plot import events_of, max_in_flight, measured_bubble, replay, text_schedule
+from labkit.viz.pipeline_schedule import events_of, max_in_flight, measured_bubble, replay, text_schedule
 
 STEPS, M = 3, 4
 
@@ -178,7 +178,7 @@ def test_config_checks():
 
 @pytest.mark.slow
 def test_pipeline_through_the_training_loop(tmp_path):
-    from labkit.schedule_plot import plot_schedule, trace_of
+    from labkit.viz.pipeline_schedule import plot_schedule, trace_of
     from labkit.train import run
 
     common = dict(profile="smoke", steps=3, out=str(tmp_path), eval_batches=1, progress=False)

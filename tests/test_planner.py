@@ -1,4 +1,4 @@
-"""The 3-D planner (labkit.planner) and `labkit plan`: pure Python, milliseconds per test."""
+"""The 3-D planner (labkit.parallel.planner) and `labkit plan`: pure Python, milliseconds per test."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from labkit import cli, planner
+from labkit import cli
+from labkit.parallel import planner
 from labkit.errors import ConfigError
 from labkit.memory.estimate import MemoryConfig, estimate
 

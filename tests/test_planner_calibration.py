@@ -1,4 +1,4 @@
-"""The planner's time model (labkit.perf_model) against published large-scale runs
+"""The planner's time model (labkit.parallel.perf_model) against published large-scale runs
 (labkit/data/published_runs.json): pure Python, milliseconds per test."""
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import math
 
 import pytest
 
-from labkit import perf_model, planner, published_runs
+from labkit.parallel import perf_model
+from labkit.parallel import planner
+from labkit.parallel import published_runs
 from labkit.errors import ConfigError
 
 CALIBRATED = published_runs.runs(calibration_only=True)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from labkit import perf_model, preflight
+from labkit.parallel import perf_model
+from labkit.course import preflight
 from labkit.profiles import get_profile
 
 

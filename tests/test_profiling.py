@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import profiling
+from labkit.profiling import profiler as profiling
 from labkit.errors import ConfigError
 from labkit.train.api import make_config
-from labkit.trace_analysis import CATEGORIES, load_trace, memory_peak, time_breakdown, top_ops
+from labkit.profiling.traces import CATEGORIES, load_trace, memory_peak, time_breakdown, top_ops
 
 PNG = b"\x89PNG\r\n\x1a\n"
 BIG = 8 * 2**20  # bytes of the tensor the in-process step allocates on purpose

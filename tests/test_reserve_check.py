@@ -1,4 +1,4 @@
-"""labkit.reserve: the policy file and the lease checker (every violation code, DST, malformed rows)."""
+"""labkit.course.reserve: the policy file and the lease checker (every violation code, DST, malformed rows)."""
 from __future__ import annotations
 
 import copy
@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from labkit.errors import ReservationError
-from labkit.reserve import CODES, Lease, check_leases, check_rows, load_policy, read_rows
-from labkit.reserve.policy import policy_from_dict
+from labkit.course.reserve import CODES, Lease, check_leases, check_rows, load_policy, read_rows
+from labkit.course.reserve.policy import policy_from_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICY_FILE = ROOT / "reservations" / "policy.yaml"

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from labkit.cli.reserve import command
-from labkit.reserve import CODES
+from labkit.course.reserve import CODES
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICY = str(ROOT / "reservations" / "policy.yaml")

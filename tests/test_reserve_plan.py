@@ -1,4 +1,4 @@
-"""labkit.reserve planner, roster and iCalendar output: a class of 60 on the seeds' node set."""
+"""labkit.course.reserve planner, roster and iCalendar output: a class of 60 on the seeds' node set."""
 from __future__ import annotations
 
 import datetime as dt
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from labkit.errors import ReservationError
-from labkit.reserve import check_leases, load_policy, make_plan, read_roster, report, write_ics
-from labkit.reserve.ics import fold
-from labkit.reserve.roster import Student, parse_student, roster_from_text
+from labkit.course.reserve import check_leases, load_policy, make_plan, read_roster, report, write_ics
+from labkit.course.reserve.ics import fold
+from labkit.course.reserve.roster import Student, parse_student, roster_from_text
 
 ROOT = Path(__file__).resolve().parent.parent
 ROSTER = Path(__file__).resolve().parent / "data" / "reserve" / "roster60.csv"

@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from labkit import slides  # noqa: E402
+from labkit.course import slides  # noqa: E402
 from labkit.errors import ConfigError  # noqa: E402
 from labkit.memory.estimate import MemoryConfig, estimate  # noqa: E402
 
@@ -86,7 +86,7 @@ caption: "estimate: 7B"
     ("# S\n- [@nope]\n", r"01_demo.md:4: unknown citation \[@nope\]"),
     ("# S\n{{volume x=1}}\n", "unknown fact 'volume'"),
     ("# S\n{{mem size model=llama2-7b}}\n", "the part must be one of"),
-    ("# S\n```figure\nfn: no_such_plot\n```\n", "'no_such_plot' is neither in labkit.plots nor labkit.figures"),
+    ("# S\n```figure\nfn: no_such_plot\n```\n", "'no_such_plot' is neither in labkit.viz.plots nor labkit.viz.figures"),
     ("# S\n```figure\nfn: lora_update\ncaption: a: b\n```\n", "not valid YAML"),
     ("# S\n```\nopen\n", "unclosed"),
     ("no slides here\n", "no slides"),

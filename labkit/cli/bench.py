@@ -3,8 +3,8 @@
     labkit bench comm --nproc 2 --sizes 1K,64K,1M          # gloo on CPU, nccl on GPUs
     labkit bench comm --nproc 4 --json --out runs/bench     # JSON, one object per (op, bytes)
 
-Core: `run_comm` (launches `python -m labkit.commbench` through `labkit.launch.run`, then reads the
-file rank 0 wrote); `labkit.commbench` has the formulas, the file format and the reader that notebook 03
+Core: `run_comm` (launches `python -m labkit.profiling.commbench` through `labkit.launch.run`, then reads the
+file rank 0 wrote); `labkit.profiling.commbench` has the formulas, the file format and the reader that notebook 03
 and the preflight use. Without --out the file is ~/.cache/labkit/comm_bench.json.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 import click
 
-from labkit import commbench
+from labkit.profiling import commbench
 from labkit.cache import cache_root
 from labkit.errors import ConfigError
 
@@ -34,7 +34,7 @@ def run_comm(*, nproc: int = 2, sizes: str = commbench.DEFAULT_SIZES, ops: str =
         raise ConfigError(f"unknown collective(s) {', '.join(bad)}; choose from {','.join(commbench.OPS)}")
     commbench.parse_sizes(sizes, nproc)  # fail here, before any rank starts
     folder = str(out or cache_root())
-    launch.run("labkit.commbench", ["--sizes", sizes, "--ops", ops, "--warmup", str(warmup), "--iters", str(iters),
+    launch.run("labkit.profiling.commbench", ["--sizes", sizes, "--ops", ops, "--warmup", str(warmup), "--iters", str(iters),
                                     "--out", folder], nproc=nproc, timeout_s=timeout_s, stream=stream)
     return commbench.load(f"{folder}/{commbench.FILE_NAME}")
 
@@ -47,7 +47,7 @@ def command() -> None:
 @command.command("comm")
 @click.option("--nproc", type=int, default=2, show_default=True, help="ranks (GPUs on a GPU node)")
 @click.option("--sizes", default=commbench.DEFAULT_SIZES, show_default=True,
-              help="message sizes S in bytes, K = 1024 (nccl-tests' S: see labkit.commbench)")
+              help="message sizes S in bytes, K = 1024 (nccl-tests' S: see labkit.profiling.commbench)")
 @click.option("--ops", default=",".join(commbench.OPS), show_default=True, help="collectives to time")
 @click.option("--warmup", type=int, default=5, show_default=True, help="untimed calls per (op, size)")
 @click.option("--iters", type=int, default=20, show_default=True, help="timed calls per (op, size)")

@@ -11,11 +11,11 @@ from pathlib import Path
 import click
 
 from labkit.errors import GradingError
-from labkit.grading import tamper
-from labkit.grading.checks import CheckResult
-from labkit.grading.evaluate import load_notebook, run_checks
-from labkit.grading.evidence import IDENTITY_KEY, identity
-from labkit.grading.registry import checks_for
+from labkit.course.grading import tamper
+from labkit.course.grading.checks import CheckResult
+from labkit.course.grading.evaluate import load_notebook, run_checks
+from labkit.course.grading.evidence import IDENTITY_KEY, identity
+from labkit.course.grading.registry import checks_for
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import click
 
-from labkit.grading.batch import GradeOptions, isolation_for, run_batch
-from labkit.grading.evaluate import Grade
-from labkit.grading.registry import load_file
-from labkit.grading.sandbox import Limits
+from labkit.course.grading.batch import GradeOptions, isolation_for, run_batch
+from labkit.course.grading.evaluate import Grade
+from labkit.course.grading.registry import load_file
+from labkit.course.grading.sandbox import Limits
 from labkit.profiles import get_profile
 from labkit.results import format_table
 

@@ -51,7 +51,7 @@ def run(source: str, cfg: MemoryConfig) -> Estimate:
     if source == "estimate":
         return estimate(cfg)
     if source == "trace":
-        from labkit.memory.trace import trace
+        from labkit.memory.dry_run import trace
         return trace(cfg)
     from labkit.memory.measure import measure
     return measure(cfg)

@@ -1,6 +1,6 @@
 """`labkit notebooks run|check|clean`: execute the labs with papermill, keep them clean for git.
 
-The cores live in `labkit.notebooks`; this module parses arguments and prints.
+The cores live in `labkit.course.notebooks`; this module parses arguments and prints.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 import yaml
 
-from labkit import notebooks as nbk
+from labkit.course import notebooks as nbk
 from labkit.errors import NotebookError
 
 

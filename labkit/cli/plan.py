@@ -3,8 +3,8 @@
     labkit plan --model gpt3-175b --gpus 64 --gpus-per-node 8 --gpu a100-80gb
     labkit plan --model gpt3-175b --gpus 64 --gpus-per-node 8 --tp 8 --pp 8 --dp 8   # why not? (exit 2)
 
-Core: `labkit.planner` (pure Python, no torch). With --dp/--tp/--pp it checks that one layout and
-prints its estimate or the reason it cannot run. Step times come from `labkit.perf_model`: matmuls at an
+Core: `labkit.parallel.planner` (pure Python, no torch). With --dp/--tp/--pp it checks that one layout and
+prints its estimate or the reason it cannot run. Step times come from `labkit.parallel.perf_model`: matmuls at an
 achievable share of peak (`--matmul-efficiency`, else the node's measurement in
 ~/.cache/labkit/matmul_efficiency.json or $LABKIT_MATMUL_FILE, else the published-runs default); the
 output says which it used.
@@ -15,7 +15,7 @@ import json
 
 import click
 
-from labkit import planner
+from labkit.parallel import planner
 from labkit.errors import ConfigError
 
 

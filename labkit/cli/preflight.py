@@ -1,4 +1,4 @@
-"""`labkit preflight --profile P [--json]`: prove a node ready for the labs (core: `labkit.preflight`).
+"""`labkit preflight --profile P [--json]`: prove a node ready for the labs (core: `labkit.course.preflight`).
 
     labkit preflight --profile a100x4            # on the node, the day before the lab
     labkit preflight --profile smoke --json      # CI: every strategy of `labkit train` on CPU
@@ -25,7 +25,7 @@ import click
 def command(ctx, profile: str, out: str | None, steps: int, as_json: bool) -> None:
     """Train every strategy the profile's labs use for a few steps, probe all-reduce and matmul,
     and check that every lab's runs resolve and fit; exit 0 only if all pass."""
-    from labkit import preflight
+    from labkit.course import preflight
 
     folder = out or f"build/preflight/{profile}"
     with contextlib.redirect_stdout(sys.stderr):  # the runs' own messages must not mix into --json

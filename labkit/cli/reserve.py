@@ -1,6 +1,6 @@
 """`labkit reserve check|plan|create`: the course's lease rules from the command line.
 
-Thin printers over the pure cores in `labkit.reserve` (tests call those in-process). Exit codes:
+Thin printers over the pure cores in `labkit.course.reserve` (tests call those in-process). Exit codes:
 `check` 0 when the file was read (violations or not), 2 when it cannot be read at all;
 `create` 1 when the request breaks the policy (nothing is submitted).
 """
@@ -13,13 +13,13 @@ import sys
 import click
 
 from labkit.errors import ReservationError
-from labkit.reserve import chi as chi_adapter
-from labkit.reserve.check import check_rows
-from labkit.reserve.leases import parse_time, read_rows, write_leases
-from labkit.reserve.plan import make_plan, report, write_ics
-from labkit.reserve.policy import Policy, default_policy_path, load_policy
-from labkit.reserve.request import check_request, lease_request, pick_node
-from labkit.reserve.roster import read_roster
+from labkit.course.reserve import chi as chi_adapter
+from labkit.course.reserve.check import check_rows
+from labkit.course.reserve.leases import parse_time, read_rows, write_leases
+from labkit.course.reserve.allocate import make_plan, report, write_ics
+from labkit.course.reserve.policy import Policy, default_policy_path, load_policy
+from labkit.course.reserve.request import check_request, lease_request, pick_node
+from labkit.course.reserve.roster import read_roster
 
 _POLICY = click.option("--policy", "policy_path", type=click.Path(dir_okay=False), default=None,
                        help="Policy YAML [default: reservations/policy.yaml].")

@@ -1,4 +1,4 @@
-"""`labkit slides build|list`: the lecture decks (the builder's own argument parser, `labkit.slides.main`)."""
+"""`labkit slides build|list`: the lecture decks (the builder's own argument parser, `labkit.course.slides.main`)."""
 from __future__ import annotations
 
 import click
@@ -9,7 +9,7 @@ import click
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def command(args):
     """Build the decks in slides/ into offline HTML + PDF (`labkit slides build --help`)."""
-    from labkit.slides import main
+    from labkit.course.slides import main
 
     code = main(list(args) or ["--help"])
     raise SystemExit(code)

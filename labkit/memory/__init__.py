@@ -1,7 +1,7 @@
 """Will it fit? Training memory per GPU from three sources of truth, one layout.
 
 - `labkit.memory.estimate.estimate(MemoryConfig(...))`: formulas, pure Python, microseconds;
-- `labkit.memory.trace.trace(cfg)`: one real step on fake tensors with torch's MemTracker;
+- `labkit.memory.dry_run.trace(cfg)`: one real step on fake tensors with torch's MemTracker;
 - `labkit.memory.measure.measure(cfg)`: one real step on this device.
 All three return an `Estimate` whose `to_json()` is the `labkit memory ... --json` layout.
 The functions are not re-exported here so that `labkit.memory.estimate` & co. stay the modules.

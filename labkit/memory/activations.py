@@ -1,7 +1,7 @@
 """Activation memory: the tensors autograd keeps from the forward pass for the backward pass.
 
 Pure Python, no torch. The numbers are the peak bytes of saved activations on one GPU during one
-training step, for the tensors that *our* models really save (checked against `labkit.memory.trace`):
+training step, for the tensors that *our* models really save (checked against `labkit.memory.dry_run`):
 
 - Llama (HF `LlamaForCausalLM`): counted tensor by tensor from the modelling code — RMSNorm keeps an
   fp32 copy of its input (HF upcasts), SwiGLU keeps 4 intermediates of width `intermediate_size`,

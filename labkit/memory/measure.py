@@ -1,6 +1,6 @@
 """Measure one real training step on the current device.
 
-Same step as `labkit.memory.trace` (same model, optimizer and mixed-precision scheme), but with real
+Same step as `labkit.memory.dry_run` (same model, optimizer and mixed-precision scheme), but with real
 tensors: on a GPU the total is the CUDA caching allocator's peak (`torch.cuda.max_memory_allocated`,
 what `nvidia-smi` shows minus the context and cached-but-free blocks); on CPU, where that counter
 silently returns 0, MemTracker's tensor accounting is the measurement. The per-part split always
@@ -14,7 +14,7 @@ import torch
 
 from labkit.errors import ConfigError
 from labkit.memory.estimate import Estimate, MemoryConfig, estimate
-from labkit.memory.trace import _quiet, check_traceable, run_step, to_estimate
+from labkit.memory.dry_run import _quiet, check_traceable, run_step, to_estimate
 
 #: Refuse a CPU measurement that would need more than this share of the free RAM.
 RAM_SHARE = 0.5

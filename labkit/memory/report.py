@@ -11,7 +11,7 @@ GB, GIB = 10**9, 2**30
 PARTS = ("weights", "grads", "optimizer", "activations")
 
 #: Device memory in bytes, as `nvidia-smi` reports the total (MiB * 2^20). THE one definition: notebooks,
-#: grading checks and `labkit.oom` read it from here. Vendors' "24 GB" for an RTX 4090 means 24 GiB of
+#: grading checks and `labkit.profiling.oom` read it from here. Vendors' "24 GB" for an RTX 4090 means 24 GiB of
 #: GDDR6X: nvidia-smi shows 24,564 MiB (= 25.76 * 10^9 B), so the 4090 is 24,564 MiB, not 24 * 10^9 B.
 GPU_CAPACITIES = {
     "RTX 4090 24GB": 24_564 * 2**20,

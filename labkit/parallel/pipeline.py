@@ -14,7 +14,7 @@ Both idle the same share of each stage -- the bubble: (p - 1) / (m + p - 1) of t
 equal-cost stages (Narayanan et al. 2021, Sec. 2.2.1, write it as (p - 1) / m of the ideal time).
 1F1B buys memory, not a smaller bubble; more micro-batches (or interleaved stages) shrink it. We
 measure it: every stage records when it ran which micro-batch (`ScheduleTrace`), and bubble =
-1 - busy / span over the step, averaged over the stages; `labkit.schedule_plot` analyses the same
+1 - busy / span over the step, averaged over the stages; `labkit.viz.pipeline_schedule` analyses the same
 events and draws the schedule diagram.
 Introduced in notebook 07_model_parallel.
 """
@@ -27,7 +27,7 @@ from torch import nn
 
 from labkit.errors import ConfigError
 from labkit.parallel.single import Strategy
-from labkit.schedule_plot import events_of, max_in_flight, measured_bubble
+from labkit.viz.pipeline_schedule import events_of, max_in_flight, measured_bubble
 
 SCHEDULES = {"pipeline-gpipe": "gpipe", "pipeline-1f1b": "1f1b"}
 

@@ -32,8 +32,8 @@ def make_config(strategy: str, model: str, **options) -> TrainConfig:
     parallel.strategy_class(cfg.strategy).check(cfg, cfg.world_size)
     if cfg.deadline:  # fail here, before paying for a launch
         Deadline(parse_deadline(cfg.deadline), cfg.deadline_margin_s).check_start()
-    if cfg.trace_steps:  # the trace window must fit the run (labkit.profiling), also before a launch
-        from labkit import profiling
+    if cfg.trace_steps:  # the trace window must fit the run (labkit.profiling.profiler), also before a launch
+        from labkit.profiling import profiler as profiling
         from labkit.profiles import get_profile
         profiling.check(cfg, get_profile(cfg.profile).device)
     return cfg

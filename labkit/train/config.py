@@ -166,7 +166,7 @@ class TrainConfig:
     def resolve(self, profile=None) -> "TrainConfig":
         """A copy with every `None` replaced by the profile's value (idempotent). `amp` left None takes
         the profile's dtype: a run that must be fp32 on every profile (a baseline) says amp='none'.
-        `profile`: a `Profile` object standing in for the named one (`labkit.profile_check` sizes
+        `profile`: a `Profile` object standing in for the named one (`labkit.course.profile_check` sizes
         changed profiles with it)."""
         from labkit.profiles import get_profile
 

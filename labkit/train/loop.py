@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from labkit import parallel, profiling, results
+from labkit import parallel, results
+from labkit.profiling import profiler as profiling
 from labkit.errors import ConfigError
 from labkit.train import memcap, metrics
 from labkit.train.checkpoint import Checkpointer, Deadline, latest_checkpoint, read_meta

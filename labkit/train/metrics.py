@@ -117,7 +117,7 @@ class PeakMemory:
             return
         # The memory lab's tracker: device-level peaks only (fast), and safe with frozen parameters
         # (torch's MemTracker raises when hooking the gradient of a LoRA / QLoRA base weight).
-        from labkit.memory.trace import PeakTracker
+        from labkit.memory.dry_run import PeakTracker
 
         tracker = PeakTracker()
         # Strategies may own foreign optimizers (DeepSpeed's); MemTracker accepts torch ones only and

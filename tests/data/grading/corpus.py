@@ -13,7 +13,7 @@ from pathlib import Path
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from labkit.grading import checks as K
+from labkit.course.grading import checks as K
 from labkit.presets import LLM_PRESETS
 
 DEMO = "90_grading_demo"
@@ -113,7 +113,7 @@ def unsealed(executed):
 
 def impossible(executed):
     """A run resealed with labkit's own seal (the seal's limit) but claiming throughput no CPU has."""
-    from labkit.grading.fingerprint import seal
+    from labkit.course.grading.fingerprint import seal
 
     nb = copy.deepcopy(executed)
     cell = nb.cells[DDP_CELL]

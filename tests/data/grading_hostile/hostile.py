@@ -11,7 +11,7 @@ from pathlib import Path
 PRIVATE_MARK = "PRIVATE-expected-value-7731"
 
 PRIVATE_CHECKS = f'''
-from labkit.grading.checks import answer_close
+from labkit.course.grading.checks import answer_close
 # {PRIVATE_MARK}
 CHECKS = {{"90_grading_demo": [answer_close("private ratio", 1, "secret_ratio", 0.4242, rtol=0.01, visible=False)]}}
 '''

@@ -1,0 +1,1 @@
+"""Course machinery: grading, reservations and lease timelines, slides, the notebook runner, node checks."""

@@ -1,0 +1,310 @@
+"""Grade a class: `SUBMISSIONS_DIR/<student>/<notebook>.ipynb` -> exactly one gradebook row per submission.
+
+Nothing a submission holds stops the batch: every failure becomes a row with a status (graded, error,
+timeout, invalid, tampered) and a reason. Every submission is first copied into a private workspace
+(labkit.course.grading.workspace) and graded from the copy. Submissions are graded in a thread pool (`workers`);
+with `execute` each one runs in its own sandboxed process (labkit.course.grading.sandbox) that cannot see the
+workspace, the other submissions, the output folder or private checks (labkit.course.grading.isolation).
+"""
+from __future__ import annotations
+
+import tempfile
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from labkit.errors import ConfigError, GradingError
+from labkit.course.grading import feedback, gradebook, isolation, sandbox, tamper, workspace
+from labkit.course.grading.evaluate import (DEFAULT_MAX_BYTES, ERROR, INVALID, TAMPERED, TIMEOUT, Grade,
+                                     SubmissionProblem, check_identity, grade_notebook, join_reasons,
+                                     load_notebook)
+from labkit.course.grading.evidence import cell_number, collect, error_of
+from labkit.course.grading.gradebook import safe_name
+from labkit.course.grading.isolation import Isolation
+from labkit.course.grading.registry import checks_for
+
+
+@dataclass(frozen=True)
+class GradeOptions:
+    """How `labkit grade` grades: recorded results (default) or a sandboxed re-execution."""
+
+    execute: bool = False
+    notebook: str | None = None
+    """Grade only `<student>/<notebook>.ipynb` (a student without it gets an `invalid` row)."""
+    profile: str = "smoke"
+    """PROFILE parameter papermill injects when executing."""
+    kernel: str = "labkit"
+    workers: int = 1
+    limits: sandbox.Limits = field(default_factory=sandbox.Limits)
+    max_bytes: int = DEFAULT_MAX_BYTES
+    """Largest submitted notebook that is read at all."""
+    private: tuple[str, ...] = ()
+    """More paths executed notebooks must not see (e.g. the --checks file); the batch's own are always hidden."""
+    unsafe_no_isolation: bool = False
+    """Execute even without file-system isolation (notebooks can then read and write what the grader can)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ConfigError(f"workers={self.workers!r}; give a positive integer")
+
+
+@dataclass(frozen=True)
+class Submission:
+    student: str
+    notebook: str
+    path: Path | None
+    """None when the student has no such file."""
+    present: tuple[str, ...] = ()
+    """The .ipynb files the student's directory does hold (named in the reason when `path` is None)."""
+
+
+def find_submissions(root: str | Path, notebook: str | None = None) -> list[Submission]:
+    """One Submission per `<student>/<notebook>.ipynb` (or per student when `notebook` is given)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise GradingError(f"submissions directory {root} does not exist; expected "
+                           f"{root}/<student>/<notebook>.ipynb")
+    subs = []
+    for student_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        student = student_dir.name
+        files = sorted(p for p in student_dir.glob("*.ipynb") if not p.name.startswith("."))
+        if notebook is not None:
+            path = student_dir / f"{notebook}.ipynb"
+            subs.append(Submission(student, notebook, path if path.is_file() else None,
+                                   tuple(p.name for p in files)))
+            continue
+        subs += [Submission(student, p.stem, p) for p in files] or [Submission(student, "", None)]
+    return subs
+
+
+def _max_score(notebook: str) -> float:
+    try:
+        return float(sum(c.points for c in checks_for(notebook)))
+    except GradingError:
+        return 0.0
+
+
+@dataclass(frozen=True)
+class Sandboxing:
+    """How a batch executes: the isolation in use and the paths its notebooks must not see."""
+
+    isolation: Isolation
+    hidden: tuple[Path, ...] = ()
+
+
+def isolation_for(opts: GradeOptions) -> Isolation:
+    """The isolation `opts` executes under; ConfigError when there is none and the grader did not accept that."""
+    iso = isolation.detect(opts.limits.network)
+    if not iso.isolated and not opts.unsafe_no_isolation:
+        raise ConfigError(f"--execute needs a sandbox and this machine has none ({iso.detail}); install "
+                          "bubblewrap (`sudo apt-get install bubblewrap`), or pass --unsafe-no-isolation to let "
+                          "student code read and write everything the grader can")
+    return iso
+
+
+def grade_submission(sub: Submission, opts: GradeOptions, out_dir: Path, box: Sandboxing | None = None) -> Grade:
+    """The row for one submission; never raises."""
+    try:
+        return _grade(sub, opts, out_dir, box)
+    except SubmissionProblem as exc:
+        return Grade(sub.student, sub.notebook, exc.status, 0.0, _max_score(sub.notebook), str(exc))
+    except Exception as exc:  # noqa: BLE001 - the batch never dies; the row says what broke
+        return Grade(sub.student, sub.notebook, ERROR, 0.0, _max_score(sub.notebook),
+                     f"grader error ({type(exc).__name__}: {str(exc)[:200]}); please report it")
+
+
+def _grade(sub: Submission, opts: GradeOptions, out_dir: Path, box: Sandboxing | None) -> Grade:
+    if sub.path is None:
+        what = f"{sub.notebook}.ipynb" if sub.notebook else "notebook (*.ipynb)"
+        found = f" (it holds: {', '.join(sub.present[:5])})" if sub.present else ""
+        raise SubmissionProblem(INVALID, f"no {what} in the student's directory{found}")
+    try:
+        checks = checks_for(sub.notebook)
+    except GradingError as exc:
+        raise SubmissionProblem(INVALID, f"{sub.path.name} is not a graded course notebook ({exc})") from exc
+    nb = load_notebook(sub.path, max_bytes=opts.max_bytes)
+    check_identity(nb, sub.notebook)
+    if not opts.execute:
+        grade = grade_notebook(nb, sub.notebook, checks, student=sub.student)
+        return replace(grade, digests=_digests(nb)) if grade.status != TAMPERED else grade
+    # Re-running regenerates every result, but a forged seal in what was submitted is still cheating.
+    forged = tamper.problems(nb, seals_only=True)
+    if forged:
+        raise SubmissionProblem(TAMPERED, join_reasons(forged))
+    return _execute_and_grade(sub, opts, out_dir, checks, box or Sandboxing(isolation_for(opts)))
+
+
+def _digests(nb) -> tuple[str, ...]:
+    return tuple(str(r.payload["fingerprint"].get("digest")) for r in collect(nb)
+                 if isinstance(r.payload.get("fingerprint"), dict))
+
+
+def _execute_and_grade(sub: Submission, opts: GradeOptions, out_dir: Path, checks, box: Sandboxing) -> Grade:
+    dst = out_dir / "executed" / safe_name(sub.student) / f"{safe_name(sub.notebook)}.ipynb"
+    with tempfile.TemporaryDirectory(prefix="labkit-grade-") as work:
+        run = sandbox.execute(sub.path, dst, workdir=work, kernel=opts.kernel,
+                              parameters={"PROFILE": opts.profile}, limits=opts.limits,
+                              private=box.hidden + (out_dir,), isolation=box.isolation)
+        _keep_log(Path(work) / "executor.log", out_dir / "logs" / f"{safe_name(sub.student)}__{dst.stem}.log")
+    nb = _load_quietly(run.output, opts.limits.output_bytes)
+    iso = run.isolation
+    note = "" if iso.isolated and (iso.network_isolated or opts.limits.network) else f" [{iso.detail}]"
+    if run.outcome == sandbox.OK:
+        if nb is None:
+            raise SubmissionProblem(ERROR, "papermill finished but the executed notebook is unreadable")
+        grade = grade_notebook(nb, sub.notebook, checks, student=sub.student)
+        return replace(grade, detail=grade.detail + note)
+    status = TIMEOUT if run.outcome == sandbox.TIMEOUT else ERROR
+    reason = _failure_reason(run, nb, opts)
+    score, max_score, results = 0.0, float(sum(c.points for c in checks)), ()
+    if nb is not None:
+        partial = grade_notebook(nb, sub.notebook, checks, student=sub.student)
+        if partial.status == TAMPERED:
+            return replace(partial, detail=f"{partial.detail} (while executing: {reason})")
+        score, results = partial.score, partial.results
+        reason += f"; partial credit {score:g}/{max_score:g} from the cells that ran"
+    return Grade(sub.student, sub.notebook, status, score, max_score, reason + note, results)
+
+
+def _load_quietly(path: Path | None, max_bytes: int):
+    if path is None:
+        return None
+    try:
+        return load_notebook(path, max_bytes=max_bytes)
+    except SubmissionProblem:
+        return None
+
+
+def _keep_log(src: Path, dst: Path, limit: int = 64 * 2**10) -> None:
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with src.open("rb") as fh:
+            fh.seek(max(src.stat().st_size - limit, 0))
+            dst.write_bytes(fh.read())
+    except OSError:
+        pass
+
+
+def _last_started_cell(nb) -> int | None:
+    """Index of the last cell papermill started (the one running when the kernel died or time ran out)."""
+    started = [i for i, c in enumerate(nb.cells) if (c.get("metadata", {}).get("papermill") or {}).get("start_time")]
+    return started[-1] if started else None
+
+
+_NETWORK_HINTS = ("URLError", "gaierror", "Connection", "Network", "Socket", "MaxRetry", "unreachable",
+                  "name resolution", "Name or service")
+
+
+def _failed_cell(nb) -> int | None:
+    """Index in the saved executed notebook of the first cell with an error (papermill's own index
+    predates the banner cells it inserts)."""
+    for i, cell in enumerate(nb.cells):
+        if error_of(cell) or (cell.get("metadata", {}).get("papermill") or {}).get("exception") is True:
+            return i
+    return None
+
+
+def _failure_reason(run: sandbox.Execution, nb, opts: GradeOptions) -> str:
+    if run.outcome in (sandbox.TIMEOUT, sandbox.KERNEL_DIED):
+        cell = _last_started_cell(nb) if nb is not None else None
+        where = f" in cell {cell_number(nb, cell)}" if cell is not None else ""
+        if run.outcome == sandbox.TIMEOUT:
+            return f"timeout: still running{where} after {opts.limits.timeout_s:g} s"
+        return f"the kernel died{where} (os._exit, a crash or the OOM killer)"
+    if run.outcome == sandbox.CELL_ERROR:
+        ename, evalue = str(run.info.get("ename", "Error")), str(run.info.get("evalue", ""))
+        cell = _failed_cell(nb) if nb is not None else None
+        where = f"cell {cell_number(nb, cell)}" if cell is not None else "a cell"
+        reason = f"{where} raised {ename}: {evalue[:200]}".rstrip(": ")
+        if ename == "MemoryError":
+            reason += f" (memory cap {opts.limits.memory_bytes / 2**30:g} GiB)"
+        elif any(h.lower() in f"{ename} {evalue}".lower() for h in _NETWORK_HINTS) and \
+                run.isolation.network_isolated:
+            reason += " (the grading sandbox has no network)"
+        return reason
+    return run.detail
+
+
+def _mark_copies(rows: list[Grade]) -> list[Grade]:
+    """Identical seals in two students' notebooks: each seal has a random nonce, so one was copied."""
+    owners: dict[str, set[str]] = defaultdict(set)
+    for row in rows:
+        for digest in row.digests:
+            owners[digest].add(row.student)
+    out = []
+    for row in rows:
+        others = sorted({s for d in row.digests for s in owners[d]} - {row.student})
+        if others:
+            row = replace(row, status=TAMPERED, score=0.0, detail=f"recorded results identical to those of "
+                          f"{', '.join(others)} (each run seals a random nonce: the notebook was copied)")
+        out.append(row)
+    return out
+
+
+def grade_all(subs: list[Submission], opts: GradeOptions, out_dir: Path,
+              progress: Callable[[Grade], None] | None = None, box: Sandboxing | None = None) -> list[Grade]:
+    """Grade `subs` with `opts.workers` threads; rows in (student, notebook) order."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with ThreadPoolExecutor(max_workers=opts.workers) as pool:
+        futures = [pool.submit(grade_submission, sub, opts, out_dir, box) for sub in subs]
+        for future in as_completed(futures):
+            row = future.result()  # grade_submission never raises
+            rows.append(row)
+            if progress is not None:
+                progress(row)
+    rows.sort(key=lambda r: (r.student, r.notebook))
+    return _mark_copies(rows)
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    rows: list[Grade]
+    out_dir: Path
+    summary: list[dict]
+    isolation: Isolation | None = None
+    """What executed notebooks ran under (None without --execute)."""
+
+
+def _grade_copies(subs: list[Submission], opts: GradeOptions, out_dir: Path, hidden: tuple[Path, ...],
+                  progress: Callable[[Grade], None] | None) -> list[Grade]:
+    """Copy every submission into a private workspace, grade the copies, note originals that changed."""
+    box = Sandboxing(isolation_for(opts), hidden) if opts.execute else None
+    received: dict[int, workspace.Received] = {}
+    with tempfile.TemporaryDirectory(prefix="labkit-ws-") as ws:  # mode 0700
+        for i, sub in enumerate(subs):
+            try:
+                if sub.path is not None:
+                    received[i] = workspace.take(sub.path, Path(ws), i, opts.max_bytes)
+            except OSError:
+                pass  # unreadable: graded from the original, which load_notebook reports
+        copies = [replace(s, path=received[i].copy) if i in received else s for i, s in enumerate(subs)]
+        box = box and replace(box, hidden=box.hidden + (Path(ws),))
+        rows = grade_all(copies, opts, out_dir, progress, box)
+    notes = {(subs[i].student, subs[i].notebook): (rec, workspace.changed(rec, opts.max_bytes))
+             for i, rec in received.items()}
+    workspace.write_received([(*key, *value) for key, value in sorted(notes.items())], out_dir / "received.csv")
+    out = []
+    for row in rows:
+        note = notes.get((row.student, row.notebook), (None, None))[1]
+        out.append(replace(row, detail=f"{row.detail}; {note}" if row.detail else note) if note else row)
+    return out
+
+
+def run_batch(submissions_dir: str | Path, out_dir: str | Path, opts: GradeOptions = GradeOptions(),
+              progress: Callable[[Grade], None] | None = None) -> BatchResult:
+    """Grade every submission and write grades.csv, summary.csv, canvas.csv, received.csv, gradescope/,
+    feedback/ (and with --execute executed/ and logs/)."""
+    out_dir = Path(out_dir)
+    subs = find_submissions(submissions_dir, opts.notebook)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hidden = (Path(submissions_dir), out_dir, *map(Path, opts.private))
+    rows = _grade_copies(subs, opts, out_dir, hidden, progress)
+    gradebook.write_grades(rows, out_dir / "grades.csv")
+    gradebook.write_summary(rows, out_dir / "summary.csv")
+    gradebook.write_canvas(rows, out_dir / "canvas.csv")
+    gradebook.write_gradescope(rows, out_dir / "gradescope")
+    feedback.write_feedback(rows, out_dir / "feedback", safe_name)
+    return BatchResult(rows, out_dir, gradebook.summary(rows), isolation_for(opts) if opts.execute else None)

@@ -1,0 +1,326 @@
+"""3-D parallelism planner: which (dp, tp, pp, ZeRO stage, micro-batches) trains MODEL on N GPUs?
+
+Pure Python, no torch. For every layout that is valid it asks the memory estimator
+(`labkit.memory.estimate`, the ZeRO paper's accounting) for bytes per GPU, adds a communication and
+bubble model, and ranks the layouts that fit by estimated step time. Invalid layouts are kept with
+the reason (`check_layout`), so "TP=8, PP=8, DP=8 on 64 GPUs" answers "tp(8) * pp(8) * dp(8) = 512
+!= gpus(64)".
+
+Rules (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", Sec. 3 "takeaways"):
+- TP inside a node: its all-reduces are on the critical path of every layer, so tp <= GPUs per node
+  (NVLink); a larger tp is rejected.
+- PP across nodes: only activations of one micro-batch cross a stage boundary (point-to-point).
+- DP outermost; ZeRO-1 (the distributed optimizer) composes with PP; ZeRO-2/3 do not (DeepSpeed
+  refuses them with pipeline parallelism: gradients/params are needed by every micro-batch), so with
+  pp > 1 only stages 0 and 1 are enumerated.
+
+Time model: `labkit.parallel.perf_model` (matmuls at an achievable efficiency, memory-bound non-matmul work,
+recomputation by checkpointing mode, TP communication exposed, DP gradient reduce hidden under the
+backward where it fits), calibrated against published runs (`labkit.parallel.published_runs`). Every plan says
+which matmul efficiency it assumed and where it came from. `budget` turns a layout into days and cost.
+Introduced in notebook 07_model_parallel.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from labkit import presets
+from labkit.parallel import perf_model
+from labkit.errors import ConfigError, choices_error
+from labkit.parallel.perf_model import GPUS, Budget, Efficiency, GpuSpec, budget  # noqa: F401 (re-exported)
+
+
+#: Share of HBM the plan may fill: the rest is CUDA context, NCCL buffers and fragmentation,
+#: which the estimator does not count.
+USABLE = 0.9
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+#: From this sequence length on, the plan also splits sequences (context parallelism, ring attention).
+LONG_SEQUENCE = 16384
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan for. `batch` is the GLOBAL batch in sequences (default 8 per GPU)."""
+
+    model: str
+    gpus: int
+    gpus_per_node: int
+    gpu: str = "a100-80gb"
+    batch: int | None = None
+    seq: int | None = None
+    """Tokens per sequence; default min(model context, 2048)."""
+    checkpointing: str = "full"
+    """Activation recomputation assumed for every layout: 'full', 'selective' or 'none'."""
+    usable: float = USABLE
+    matmul_efficiency: float | None = None
+    """Share of peak the GEMMs reach; None = the node's measurement if on file, else the default."""
+    efficiency: Efficiency | None = None
+    """Filled in from `matmul_efficiency` (`labkit.parallel.perf_model.matmul_efficiency`): value and source."""
+
+    def __post_init__(self) -> None:
+        presets.model_kind(self.model)  # ConfigError listing valid presets
+        if presets.model_kind(self.model) == "vision":
+            raise ConfigError(f"the planner splits transformers; {self.model!r} is a vision model: use an LLM or "
+                              "GPT preset such as gpt3-175b or llama2-7b")
+        if self.gpu not in GPUS:
+            raise choices_error("gpu", self.gpu, GPUS)
+        for name in ("gpus", "gpus_per_node", "batch", "seq"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name}={value!r}; it must be a positive integer")
+        if self.gpus % self.gpus_per_node and self.gpus > self.gpus_per_node:
+            raise ConfigError(f"gpus={self.gpus} is not a whole number of nodes of {self.gpus_per_node}; "
+                              f"use a multiple of {self.gpus_per_node}")
+        if self.batch is None:
+            object.__setattr__(self, "batch", 8 * self.gpus)
+        if self.seq is None:
+            object.__setattr__(self, "seq", min(_arch(self.model)["max_position_embeddings"], 2048))
+        if self.checkpointing not in ("full", "selective", "none"):
+            raise choices_error("checkpointing", self.checkpointing, ("full", "selective", "none"))
+        precision = "fp16" if self.gpu.startswith("v100") else "bf16"
+        object.__setattr__(self, "efficiency",
+                           perf_model.matmul_efficiency(self.gpu, precision, override=self.matmul_efficiency))
+
+    @property
+    def spec(self) -> GpuSpec:
+        return GPUS[self.gpu]
+
+    @property
+    def capacity_bytes(self) -> float:
+        return self.spec.memory_gb * 1e9 * self.usable
+
+
+@dataclass(frozen=True)
+class Option:
+    """One layout with its memory, communication, bubble and time estimates."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    microbatches: int
+    micro_batch: int
+    memory_bytes: int
+    fits: bool
+    bubble: float
+    comm_s: dict = field(default_factory=dict)
+    """Seconds per step by dimension: tp, pp, dp."""
+    comm_bytes: dict = field(default_factory=dict)
+    """Bytes each GPU sends per step by dimension."""
+    compute_s: float = 0.0
+    """Matmul + non-matmul seconds per step (recomputation included), before the bubble."""
+    step_s: float = 0.0
+    mfu: float = 0.0
+    """Model FLOPs (forward + backward, no recomputation) / (N peak step_s)."""
+    hfu: float = 0.0
+    """Hardware FLOPs (recomputation included) / (N peak step_s)."""
+    tflops_per_gpu: float = 0.0
+    """Hardware TFLOPS per GPU (recomputation included, as Megatron-LM reports it)."""
+    cp: int = 1
+    """Context-parallel degree (long sequences only)."""
+    ep: int = 1
+    """Expert-parallel degree (MoE models only)."""
+
+    @property
+    def layout(self) -> str:
+        extra = "".join(f" {k}={v}" for k, v in (("cp", self.cp), ("ep", self.ep)) if v > 1)
+        return f"dp={self.dp} tp={self.tp} pp={self.pp}{extra} zero={self.zero} m={self.microbatches}"
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "layout": self.layout, "memory_gb": round(self.memory_bytes / 1e9, 2)}
+
+
+def _arch(model: str) -> dict:
+    return dict(presets.LLM_PRESETS.get(model) or presets.GPT_PRESETS[model])
+
+
+def check_layout(req: PlanRequest, dp: int, tp: int, pp: int, zero: int = 0, *, cp: int = 1, ep: int = 1) -> None:
+    """ConfigError naming why (dp, tp, pp, zero, cp, ep) cannot run `req`; returns None when it can."""
+    from labkit.memory.estimate import check_topology
+
+    check_topology(dp, tp, pp, req.gpus, cp)  # "tp(8) * pp(8) * dp(8) = 512 != gpus(64)"
+    arch = _arch(req.model)
+    if req.seq % cp:
+        raise ConfigError(f"cp={cp} does not split seq={req.seq} into equal chunks; use a cp that divides it")
+    experts = arch.get("num_local_experts", 0)
+    if ep > 1 and (not experts or dp % ep or experts % ep):
+        raise ConfigError(f"ep={ep} must divide dp={dp} and the {experts} experts of {req.model} "
+                          "(expert parallelism splits the experts over data-parallel ranks)")
+    if tp > req.gpus_per_node:
+        raise ConfigError(f"tp={tp} > {req.gpus_per_node} GPUs per node: a tensor-parallel group all-reduces "
+                          "inside every layer and must sit on one node's NVLink; use tp <= "
+                          f"{req.gpus_per_node} and put the rest into pp or dp")
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        if key in arch and arch[key] % tp:
+            raise ConfigError(f"tp={tp} does not divide {key}={arch[key]}: every rank needs whole heads")
+    if pp > arch["num_hidden_layers"]:
+        raise ConfigError(f"pp={pp} > {arch['num_hidden_layers']} layers: every stage needs at least one layer")
+    if pp > 1 and zero >= 2:
+        raise ConfigError(f"zero={zero} with pp={pp}: ZeRO-2/3 shard gradients/parameters that every "
+                          "micro-batch of a pipeline needs (DeepSpeed refuses it); use zero 0 or 1 with pp > 1")
+    if dp == 1 and zero:
+        raise ConfigError(f"zero={zero} with dp=1 shards over one rank and saves nothing; use zero 0")
+    if req.batch % dp:
+        raise ConfigError(f"global batch {req.batch} does not split over dp={dp}; use a multiple of {dp}")
+
+
+def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch: int, *,
+             cp: int = 1, ep: int = 1) -> Option:
+    """Memory (estimator) and step time (`labkit.parallel.perf_model`) of one valid layout."""
+    from labkit.memory.estimate import MemoryConfig, estimate, spec_of
+
+    per_replica = req.batch // dp
+    m = per_replica // micro_batch
+    cfg = MemoryConfig(model=req.model, precision="mixed-bf16", zero=zero, dp=dp, tp=tp, pp=pp, gpus=req.gpus,
+                       batch=per_replica, grad_accum=m, seq=req.seq, checkpointing=req.checkpointing,
+                       sequence_parallel=tp > 1, cp=cp, ep=ep)
+    est = estimate(cfg)
+    spec = spec_of(cfg)
+    share = est.weights / 2 / spec.params * (dp if zero == 3 else 1)  # weights are 2 B/param before ZeRO-3
+    lay = perf_model.Layout(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, microbatches=m,
+                            checkpointing=req.checkpointing, zero=zero, sequence_parallel=tp > 1,
+                            flash=cfg.flash_attention, cp=cp, ep=ep)
+    t = perf_model.step_time(spec, lay, seq=req.seq, gpu=req.gpu, gpus_per_node=req.gpus_per_node,
+                             efficiency=req.efficiency, params_on_gpu=share * spec.params)
+    comm = {"tp": t.tp_s, "pp": t.pp_s, "dp": t.dp_s, **({"cp": t.cp_s} if cp > 1 else {}),
+            **({"ep": t.ep_s} if ep > 1 else {})}
+    return Option(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m, micro_batch=micro_batch,
+                  memory_bytes=est.total, fits=est.total <= req.capacity_bytes, bubble=round(t.bubble, 4),
+                  comm_s={k: round(v, 4) for k, v in comm.items()}, comm_bytes=t.comm_bytes,
+                  compute_s=round(t.matmul_s + t.nonmatmul_s, 4), step_s=round(t.step_s, 4), mfu=round(t.mfu, 4),
+                  hfu=round(t.hfu, 4), tflops_per_gpu=round(t.tflops_per_gpu, 1), cp=cp, ep=ep)
+
+
+def assumption(req: PlanRequest) -> dict:
+    """The matmul efficiency a plan assumed and its source (JSON and text output)."""
+    return {"matmul_efficiency": req.efficiency.value, "source": req.efficiency.source,
+            "peak_tflops": req.spec.peak_tflops}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every layout of a request: ranked options that fit, those that do not, and rejected ones."""
+
+    request: PlanRequest
+    fits: list
+    too_big: list
+    rejected: list
+    """(dp, tp, pp, reason) for layouts `check_layout` refuses."""
+
+    def to_dict(self, top: int | None = None) -> dict:
+        return {"request": dataclasses.asdict(self.request), "capacity_gb": self.request.capacity_bytes / 1e9,
+                "assumption": assumption(self.request),
+                "fits": [o.to_dict() for o in self.fits[:top]], "too_big": [o.to_dict() for o in self.too_big[:top]],
+                "rejected": [dict(dp=d, tp=t, pp=p, reason=r) for d, t, p, r in self.rejected]}
+
+
+def _cp_degrees(req: PlanRequest, rest: int) -> list[int]:
+    """Context-parallel degrees to try: only for long sequences (activations grow with seq)."""
+    return [c for c in _divisors(rest) if c == 1 or (req.seq >= LONG_SEQUENCE and req.seq % c == 0)]
+
+
+def _ep_degrees(req: PlanRequest, dp: int) -> list[int]:
+    """Expert-parallel degrees to try: only for MoE models, dividing dp and the expert count."""
+    experts = _arch(req.model).get("num_local_experts", 0)
+    return [e for e in _divisors(dp) if e == 1 or (experts and experts % e == 0)]
+
+
+def plan(req: PlanRequest) -> Plan:
+    """Enumerate (dp, tp, pp[, cp, ep]) with dp*tp*pp*cp = gpus, ZeRO stages and micro-batch sizes;
+    rank what fits. cp is tried for sequences >= LONG_SEQUENCE, ep for models with experts."""
+    options, rejected = [], []
+    for tp in _divisors(req.gpus):
+        for pp in _divisors(req.gpus // tp):
+            for cp in _cp_degrees(req, req.gpus // (tp * pp)):
+                dp = req.gpus // (tp * pp * cp)
+                try:
+                    check_layout(req, dp, tp, pp, cp=cp)
+                except ConfigError as exc:
+                    rejected.append((dp, tp, pp, str(exc)))
+                    continue
+                for ep in _ep_degrees(req, dp):
+                    options += _options(req, dp, tp, pp, cp, ep)
+    options.sort(key=lambda o: (o.step_s, o.memory_bytes))
+    return Plan(req, [o for o in options if o.fits], [o for o in options if not o.fits], rejected)
+
+
+def _options(req: PlanRequest, dp: int, tp: int, pp: int, cp: int, ep: int) -> list:
+    """Every ZeRO stage and micro-batch size of one valid (dp, tp, pp, cp, ep)."""
+    out = []
+    for zero in range(4):
+        if (zero and dp == 1) or (zero >= 2 and pp > 1):
+            continue
+        for b in MICRO_BATCH_SIZES:
+            per_replica = req.batch // dp
+            if per_replica % b or per_replica // b < (pp if pp > 1 else 1):
+                continue
+            out.append(evaluate(req, dp, tp, pp, zero, b, cp=cp, ep=ep))
+    return out
+
+
+def format_plan(p: Plan, top: int = 10) -> str:
+    """A text table of the best `top` layouts that fit, then why the others do not."""
+    r = p.request
+    head = (f"{r.model} on {r.gpus} x {r.gpu} ({r.gpus // r.gpus_per_node or 1} node(s) x {r.gpus_per_node}), "
+            f"global batch {r.batch} x {r.seq} tokens, usable {r.capacity_bytes / 1e9:.0f} GB/GPU")
+    cols = f"{'rank':>4} {'dp':>3} {'tp':>3} {'pp':>3} {'zero':>4} {'m':>4} {'b':>2} {'GB/GPU':>7} {'bubble':>6} " \
+           f"{'tp_s':>6} {'pp_s':>6} {'dp_s':>6} {'step_s':>7} {'mfu':>5} {'hfu':>5} {'TFLOPS':>6}"
+    lines = [head, cols]
+    for i, o in enumerate(p.fits[:top], 1):
+        lines.append(f"{i:>4} {o.dp:>3} {o.tp:>3} {o.pp:>3} {o.zero:>4} {o.microbatches:>4} {o.micro_batch:>2} "
+                     f"{o.memory_bytes / 1e9:>7.1f} {o.bubble:>6.3f} {o.comm_s['tp']:>6.2f} {o.comm_s['pp']:>6.2f} "
+                     f"{o.comm_s['dp']:>6.2f} {o.step_s:>7.2f} {o.mfu:>5.2f} {o.hfu:>5.2f} {o.tflops_per_gpu:>6.0f}"
+                     + "".join(f"  {k}={getattr(o, k)} ({k}_s {o.comm_s[k]:.2f})" for k in ("cp", "ep")
+                               if getattr(o, k) > 1))
+    if not p.fits:
+        lines.append("   (no layout fits: more GPUs, a bigger GPU, or a smaller batch / sequence)")
+    lines.append(format_assumption(r))
+    lines.append(f"{len(p.fits)} layout(s) fit, {len(p.too_big)} exceed {r.capacity_bytes / 1e9:.0f} GB, "
+                 f"{len(p.rejected)} rejected:")
+    for dp, tp, pp, reason in p.rejected[:8]:
+        lines.append(f"  dp={dp} tp={tp} pp={pp}: {reason}")
+    if len(p.rejected) > 8:
+        lines.append(f"  ... and {len(p.rejected) - 8} more (--json lists all)")
+    return "\n".join(lines)
+
+
+def format_assumption(req: PlanRequest) -> str:
+    e = req.efficiency
+    return (f"assumes matmuls at {e.value:.0%} of the {req.spec.peak_tflops:.0f} TFLOPS peak "
+            f"({e.source}); checkpointing {req.checkpointing}")
+
+
+def planner_widget(model: str = "gpt3-175b", gpus: int = 64, gpus_per_node: int = 8, gpu: str = "a100-80gb"):
+    """An ipywidgets form around `plan`: change the model, GPU count or batch and the ranking updates."""
+    import ipywidgets as w
+
+    models = [m for m in (*presets.LLM_PRESETS, *presets.GPT_PRESETS)]
+    controls = dict(
+        model=w.Dropdown(options=models, value=model, description="model"),
+        gpus=w.BoundedIntText(value=gpus, min=1, max=16384, description="GPUs"),
+        gpus_per_node=w.BoundedIntText(value=gpus_per_node, min=1, max=64, description="per node"),
+        gpu=w.Dropdown(options=list(GPUS), value=gpu, description="GPU"),
+        batch=w.BoundedIntText(value=0, min=0, max=1 << 20, description="batch (0=auto)"),
+        top=w.BoundedIntText(value=8, min=1, max=100, description="show"),
+    )
+    out = w.Output()
+
+    def show(model, gpus, gpus_per_node, gpu, batch, top):
+        try:
+            req = PlanRequest(model=model, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, batch=batch or None)
+            result = plan(req)
+            text = format_plan(result, top=top)
+        except ConfigError as exc:
+            text = f"error: {exc}"
+        out.clear_output()
+        with out:
+            print(text)
+
+    w.interactive_output(show, controls)
+    return w.VBox([w.HBox(list(controls.values())[:3]), w.HBox(list(controls.values())[3:]), out])

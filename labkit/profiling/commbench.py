@@ -1,0 +1,291 @@
+"""Collective bandwidth benchmark in nccl-tests' conventions (`labkit bench comm`).
+
+Each rank runs every collective (all_reduce, all_gather, reduce_scatter, all_to_all, broadcast) over a
+range of message sizes: `warmup` untimed calls, then `iters` timed calls; the time of one call is the
+loop's time / iters, and the reported time is the MAX over ranks (the slowest rank is when the
+collective is done for everyone). Backend: nccl on GPUs, gloo on CPU.
+
+Bandwidths (NVIDIA nccl-tests, doc/PERFORMANCE.md; GB/s = 10^9 bytes/s):
+- `bytes` S is the whole buffer: the tensor all-reduced or broadcast, the gathered OUTPUT of an
+  all-gather, the INPUT of a reduce-scatter, each rank's send buffer of an all-to-all.
+- algorithm bandwidth algbw = S / time.
+- bus bandwidth busbw = algbw x factor(op, n), so that it is comparable with the hardware's link speed
+  whatever the number of ranks: a ring all-reduce sends 2 (n-1)/n x S per rank (reduce-scatter then
+  all-gather, Patarasuk & Yuan 2009), all-gather, reduce-scatter and all-to-all (n-1)/n x S, broadcast S.
+
+Rank 0 writes the measurements to `<out>/comm_bench.json` (format: `save`); by default `<out>` is
+~/.cache/labkit, where notebook 03's ring model and the preflight look for it (`load_measured_bandwidth`;
+`$LABKIT_COMM_FILE` points elsewhere). Run on ranks as `python -m labkit.profiling.commbench ...` (the CLI does it
+through `labkit.launch`). Introduced in notebook 09_beyond_3d.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from labkit.cache import cache_root
+from labkit.errors import ConfigError, choices_error
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+#: File name of the measurements inside --out; default folder and the env var that overrides the file.
+FILE_NAME = "comm_bench.json"
+COMM_FILE_ENV = "LABKIT_COMM_FILE"
+DEFAULT_SIZES = "1K,16K,256K,4M,16M"
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+_ELEMENT = 4  # fp32
+
+
+def ring_factor(n: int) -> float:
+    """2 (n-1)/n: bytes a rank sends per byte all-reduced, from the course's ring model
+    (`labkit.parallel.ddp.allreduce_seconds`, notebook 03), not a second copy of the formula."""
+    from labkit.parallel.ddp import allreduce_seconds
+
+    return allreduce_seconds(1.0, n, 1.0)["bytes_sent_per_rank"]
+
+
+def bus_factor(op: str, n: int) -> float:
+    """busbw / algbw for `op` on `n` ranks (nccl-tests PERFORMANCE.md)."""
+    if op not in OPS:
+        raise choices_error("collective", op, OPS)
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError(f"world size n={n!r}; it must be a positive integer")
+    if op == "broadcast":
+        return 1.0
+    # The ring all-reduce is a reduce-scatter followed by an all-gather: each of those is half of it.
+    return ring_factor(n) if op == "all_reduce" else ring_factor(n) / 2
+
+
+@dataclass(frozen=True)
+class CommMeasurement:
+    """One (collective, size) point: seconds per call (max over ranks) and the two bandwidths."""
+
+    op: str
+    bytes: int
+    """S in nccl-tests' convention (module docstring)."""
+    seconds: float
+    algbw_gbps: float
+    """S / seconds in GB/s (10^9 B/s)."""
+    busbw_gbps: float
+    """algbw x bus_factor(op, world_size): comparable with the link's data-sheet bandwidth."""
+    world_size: int
+    backend: str
+
+
+def measurement(op: str, nbytes: int, seconds: float, world_size: int, backend: str) -> CommMeasurement:
+    algbw = nbytes / seconds / 1e9
+    return CommMeasurement(op, int(nbytes), seconds, algbw, algbw * bus_factor(op, world_size), world_size, backend)
+
+
+def parse_sizes(text: str, world_size: int) -> list[int]:
+    """'1K,64K,1M' -> bytes (K = 2^10). Each size must split into whole fp32 elements per rank."""
+    out = []
+    for part in str(text).split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", part.upper())
+        if not match:
+            raise ConfigError(f"size {part!r}; write sizes like 1K,64K,1M,1G (bytes, K = 1024)")
+        nbytes = int(match.group(1)) * _UNITS[match.group(2)]
+        unit = _ELEMENT * world_size
+        if nbytes < unit or nbytes % unit:
+            raise ConfigError(f"size {part.strip()} = {nbytes} B does not split into fp32 chunks over {world_size} "
+                              f"ranks; use a multiple of {unit} B (e.g. 1K)")
+        out.append(nbytes)
+    return sorted(set(out))
+
+
+# ------------------------------------------------------------------------ on the ranks
+def _buffers(op: str, nbytes: int, n: int, device):
+    """(input, output) tensors for one call; sizes follow the module docstring's S."""
+    import torch
+
+    count = nbytes // _ELEMENT
+    full = torch.ones(count, device=device)
+    part = torch.empty(count // n, device=device)
+    if op == "all_gather":
+        return part.fill_(1.0), full
+    if op == "reduce_scatter":
+        return full, part
+    if op == "all_to_all":
+        return full, torch.empty_like(full)
+    return full, None
+
+
+def _call(op: str, inp, out, group) -> None:
+    import torch.distributed as dist
+
+    if op == "all_reduce":
+        dist.all_reduce(inp, group=group)
+    elif op == "broadcast":
+        dist.broadcast(inp, src=0, group=group)
+    elif op == "all_gather":
+        dist.all_gather_into_tensor(out, inp, group=group)
+    elif op == "reduce_scatter":
+        dist.reduce_scatter_tensor(out, inp, group=group)
+    else:
+        dist.all_to_all_single(out, inp, group=group)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":  # GPU path (unverified on hardware here): kernels run async on the stream
+        torch.cuda.synchronize(device)
+
+
+def time_collective(op: str, nbytes: int, *, group, device, warmup: int, iters: int) -> float:
+    """Seconds per call on this rank, then the max over ranks (every rank gets the same number)."""
+    import torch
+    import torch.distributed as dist
+
+    inp, out = _buffers(op, nbytes, dist.get_world_size(group), device)
+    for _ in range(warmup):
+        _call(op, inp, out, group)
+    _sync(device)
+    dist.barrier(group=group)  # start the timed loop together
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        _call(op, inp, out, group)
+    _sync(device)
+    elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return float(elapsed.item())
+
+
+def run_rank(ops, sizes, *, warmup: int, iters: int) -> list[CommMeasurement]:
+    """Every (op, size) on this rank, inside an initialized default process group."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    n, backend = dist.get_world_size(), dist.get_backend()
+    return [measurement(op, size, time_collective(op, size, group=None, device=device, warmup=warmup, iters=iters),
+                        n, backend) for op in ops for size in sizes]
+
+
+def save(rows: list[CommMeasurement], folder: str | Path, *, warmup: int, iters: int) -> Path:
+    """Write `<folder>/comm_bench.json`: {"tool", "measured_at", "warmup", "iters", "measurements": [...]}."""
+    path = Path(folder).expanduser() / FILE_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"tool": "labkit bench comm", "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "warmup": warmup, "iters": iters, "measurements": [asdict(r) for r in rows]}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def main(argv=None) -> None:
+    """Rank program: `python -m labkit.profiling.commbench --sizes 1K,64K --out DIR` under torchrun."""
+    import torch
+    import torch.distributed as dist
+
+    p = argparse.ArgumentParser(prog="python -m labkit.profiling.commbench")
+    p.add_argument("--sizes", default=DEFAULT_SIZES)
+    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    # NCCL needs one GPU per local rank; fewer GPUs than ranks (or none) measure gloo on the CPU.
+    gpu = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if gpu else "gloo")
+    try:
+        rows = run_rank(a.ops.split(","), parse_sizes(a.sizes, dist.get_world_size()), warmup=a.warmup,
+                        iters=a.iters)
+        if dist.get_rank() == 0:
+            print(f"wrote {save(rows, a.out, warmup=a.warmup, iters=a.iters)}")
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------ reading it back
+def load(path: str | Path) -> list[CommMeasurement]:
+    """The measurements in a comm_bench.json file (ConfigError naming the file when unreadable)."""
+    path = Path(path).expanduser()
+    try:
+        rows = json.loads(path.read_text())["measurements"]
+        return [CommMeasurement(**row) for row in rows]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"cannot read collective measurements from {path}: {exc}; rerun "
+                          "`labkit bench comm` or delete the file (format: labkit.profiling.commbench.save)") from None
+
+
+def default_file() -> Path:
+    return Path(os.environ.get(COMM_FILE_ENV) or cache_root() / FILE_NAME).expanduser()
+
+
+@dataclass(frozen=True)
+class MeasuredBandwidth:
+    """The bus bandwidth to put into a ring cost model, and where it came from."""
+
+    busbw: float
+    """Bytes/s: the op's bus bandwidth at its largest measured size (nccl-tests read large sizes)."""
+    op: str
+    bytes: int
+    world_size: int
+    backend: str
+    source: str
+
+
+def load_measured_bandwidth(path: str | Path | None = None, *, op: str = "all_reduce",
+                            backend: str | None = None) -> MeasuredBandwidth | None:
+    """The measured bus bandwidth of `op` (optionally only from `backend`), or None when there is no
+    measurement file (default `default_file()`) or it has no matching row. Notebook 03 uses it in its
+    ring model in place of the assumed NVLink figure."""
+    path = Path(path).expanduser() if path else default_file()
+    if not path.exists():
+        return None
+    rows = [r for r in load(path) if r.op == op and (backend is None or r.backend == backend)]
+    if not rows:
+        return None
+    best = max(rows, key=lambda r: r.bytes)
+    return MeasuredBandwidth(best.busbw_gbps * 1e9, op, best.bytes, best.world_size, best.backend,
+                             f"measured by labkit bench comm: {op} {best.bytes:,} B on {best.world_size} ranks "
+                             f"({best.backend}), {path}")
+
+
+# ------------------------------------------------------------------------ showing it
+def format_table(rows: list[CommMeasurement]) -> str:
+    """nccl-tests-like text table."""
+    if not rows:
+        return "(no measurements)"
+    lines = [f"# {rows[0].world_size} ranks, {rows[0].backend}; time = max over ranks; GB/s = 1e9 B/s",
+             f"# {'op':<15}{'size (B)':>12}{'time (us)':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}"]
+    for r in rows:
+        lines.append(f"  {r.op:<15}{r.bytes:>12,}{r.seconds * 1e6:>12.1f}{r.algbw_gbps:>12.3f}{r.busbw_gbps:>12.3f}")
+    return "\n".join(lines)
+
+
+def plot_bandwidth(rows: list[CommMeasurement], *, ax=None, which: str = "busbw"):
+    """Bus (or algorithm) bandwidth vs message size, one line per collective; returns the Figure."""
+    from labkit.viz.figures import RANK_COLORS, _axes
+
+    if which not in ("busbw", "algbw"):
+        raise choices_error("bandwidth", which, ("busbw", "algbw"))
+    fig, a = _axes(ax, (6.5, 3.8))
+    for color, op in zip(RANK_COLORS, OPS):
+        mine = sorted((r for r in rows if r.op == op), key=lambda r: r.bytes)
+        if mine:
+            a.plot([r.bytes for r in mine], [getattr(r, f"{which}_gbps") for r in mine], "o-", lw=2,
+                   color=color, label=op)
+    a.set_xscale("log", base=2)
+    a.set_xlabel("message size S (bytes)")
+    a.set_ylabel(f"{which} (GB/s)")
+    n = rows[0].world_size if rows else "?"
+    backend = rows[0].backend if rows else ""
+    a.set_title(f"collective {which} vs size: {n} ranks, {backend}")
+    a.legend(fontsize=8)
+    a.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Drawing: every course figure and plot, the pipeline schedule drawing, the notebook widgets."""

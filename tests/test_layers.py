@@ -1,0 +1,127 @@
+"""The package's layers (docs/DEVELOPING.md): the teaching core never imports the course machinery,
+the drawings or the command line, and no two modules import each other round a circle.
+
+Read from the source with `ast`, so an import inside a function counts as much as one at the top:
+a lazy import is still an arrow a newcomer has to follow.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "labkit"
+#: the folders that are layers above the core; everything else under labkit/ is the core
+UPPER = ("course", "viz", "cli")
+
+
+def module_files() -> dict[str, Path]:
+    mods = {}
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        mods[".".join(parts)] = path
+    return mods
+
+
+MODULES = module_files()
+
+
+def owner(name: str) -> str:
+    """The labkit module that defines dotted `name` (a module, or an attribute of one)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def arrows(mods=MODULES) -> dict[str, set[str]]:
+    """module -> the labkit modules it imports (anywhere in its body)."""
+    out = {}
+    for name, path in mods.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {owner(a.name) for a in node.names if a.name.startswith("labkit")}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("labkit"):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    targets.add(owner(full) if full in mods else owner(node.module))
+        out[name] = targets - {name, "labkit", ""}
+    return out
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    if module == "labkit.__main__":
+        return "cli"
+    return parts[1] if len(parts) > 1 and parts[1] in UPPER else "core"
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(root):
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = counter[0]; counter[0] += 1
+        stack.append(root); on.add(root)
+        while work:
+            node, it = work[-1]
+            nxt = next(it, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter[0]; counter[0] += 1
+                    stack.append(nxt); on.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                elif nxt in on:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    m = stack.pop(); on.discard(m); comp.append(m)
+                    if m == node:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_core_never_imports_course_viz_or_cli():
+    bad = sorted(f"{a} -> {b}" for a, targets in arrows().items() for b in targets
+                 if layer(a) == "core" and layer(b) != "core" and not b.startswith("labkit.profiling"))
+    assert bad == [], "the core must not import these layers (publish through a hook instead):\n" + "\n".join(bad)
+
+
+def test_there_are_no_import_circles():
+    assert circles(arrows()) == []
+
+
+def test_the_checks_can_fail():
+    """The two checks above see a forbidden arrow and a circle when there is one."""
+    graph = {"labkit.results": {"labkit.course.grading.fingerprint"},
+             "labkit.course.grading.fingerprint": {"labkit.results"}}
+    assert circles(graph) == [["labkit.course.grading.fingerprint", "labkit.results"]]
+    assert layer("labkit.results") == "core" and layer("labkit.course.grading.fingerprint") == "course"
+    assert layer("labkit.viz.figures") == "viz" and layer("labkit.__main__") == "cli"
+
+
+@pytest.mark.parametrize("folder", ["viz", "profiling", "course"])
+def test_each_layer_is_a_folder_that_says_what_it_is(folder):
+    init = PKG / folder / "__init__.py"
+    assert init.is_file() and ast.get_docstring(ast.parse(init.read_text())), f"labkit/{folder} needs a docstring"
+
+
+def test_no_flat_module_is_left_where_a_layer_now_lives():
+    moved = ["figures", "plots", "schedule_plot", "widgets", "trace_analysis", "oom", "slides",
+             "notebooks", "lease_plan", "planner", "grading", "reserve"]
+    assert [m for m in moved if (PKG / f"{m}.py").exists() or (PKG / m).is_dir()] == []
