@@ -513,7 +513,7 @@ def _scaling_run(ranks: int, global_batch: int, samples_per_s: float):
 
 
 def test_scaling_is_labelled_strong_or_weak_and_nvidias_point_weak():
-    from labkit.train import report
+    from labkit.viz import report
 
     strong = [_scaling_run(1, 256, 1000.0), _scaling_run(4, 256, 3000.0)]
     weak = [_scaling_run(1, 256, 1000.0), _scaling_run(4, 1024, 3600.0)]
@@ -526,7 +526,7 @@ def test_scaling_is_labelled_strong_or_weak_and_nvidias_point_weak():
 
 
 def test_the_scaling_chart_says_which_kind_each_line_is():
-    from labkit.train import report
+    from labkit.viz import report
 
     fig = report.scaling_chart([_scaling_run(1, 256, 1000.0), _scaling_run(4, 256, 3000.0)])
     texts = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]

@@ -145,5 +145,7 @@ def test_plan_does_not_import_torch():
 
 
 def test_widget_builds():
-    box = planner.planner_widget(model="llama2-7b", gpus=8)
+    from labkit.viz.widgets import planner_widget
+
+    box = planner_widget(model="llama2-7b", gpus=8)
     assert len(box.children) == 3

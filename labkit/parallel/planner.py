@@ -294,33 +294,3 @@ def format_assumption(req: PlanRequest) -> str:
     e = req.efficiency
     return (f"assumes matmuls at {e.value:.0%} of the {req.spec.peak_tflops:.0f} TFLOPS peak "
             f"({e.source}); checkpointing {req.checkpointing}")
-
-
-def planner_widget(model: str = "gpt3-175b", gpus: int = 64, gpus_per_node: int = 8, gpu: str = "a100-80gb"):
-    """An ipywidgets form around `plan`: change the model, GPU count or batch and the ranking updates."""
-    import ipywidgets as w
-
-    models = [m for m in (*presets.LLM_PRESETS, *presets.GPT_PRESETS)]
-    controls = dict(
-        model=w.Dropdown(options=models, value=model, description="model"),
-        gpus=w.BoundedIntText(value=gpus, min=1, max=16384, description="GPUs"),
-        gpus_per_node=w.BoundedIntText(value=gpus_per_node, min=1, max=64, description="per node"),
-        gpu=w.Dropdown(options=list(GPUS), value=gpu, description="GPU"),
-        batch=w.BoundedIntText(value=0, min=0, max=1 << 20, description="batch (0=auto)"),
-        top=w.BoundedIntText(value=8, min=1, max=100, description="show"),
-    )
-    out = w.Output()
-
-    def show(model, gpus, gpus_per_node, gpu, batch, top):
-        try:
-            req = PlanRequest(model=model, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, batch=batch or None)
-            result = plan(req)
-            text = format_plan(result, top=top)
-        except ConfigError as exc:
-            text = f"error: {exc}"
-        out.clear_output()
-        with out:
-            print(text)
-
-    w.interactive_output(show, controls)
-    return w.VBox([w.HBox(list(controls.values())[:3]), w.HBox(list(controls.values())[3:]), out])

@@ -150,21 +150,47 @@ def memory_calculator(model: str = "llama2-7b", *, gpu: str = "RTX 4090 24GB", i
     return calc
 
 
-def planner_widget(**options: Any):
-    """`labkit.parallel.planner.planner_widget` that also prints the first ranking as ordinary output, so a saved
-    or papermill-run notebook shows it (an ipywidgets Output keeps its text in widget state only).
+def planner_widget(model: str = "gpt3-175b", gpus: int = 64, gpus_per_node: int = 8, gpu: str = "a100-80gb"):
+    """The planner's live form (`_planner_form`), after printing its first ranking as ordinary output, so a
+    saved or papermill-run notebook shows it (an ipywidgets Output keeps its text in widget state only).
     Introduced in notebook 07_model_parallel."""
-    import inspect
-
     from labkit.parallel import planner
 
-    bound = inspect.signature(planner.planner_widget).bind(**options)
-    bound.apply_defaults()
-    fields = {f.name for f in dataclasses.fields(planner.PlanRequest)}
-    request = {k: v for k, v in bound.arguments.items() if k in fields}
-    request["batch"] = request.get("batch") or None
     try:
-        print(planner.format_plan(planner.plan(planner.PlanRequest(**request)), top=8))  # the form shows 8
+        request = planner.PlanRequest(model=model, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu)
+        print(planner.format_plan(planner.plan(request), top=8))  # the form shows 8
     except ConfigError as exc:
         print(f"error: {exc}")
-    return planner.planner_widget(**options)
+    return _planner_form(model, gpus, gpus_per_node, gpu)
+
+
+def _planner_form(model: str = "gpt3-175b", gpus: int = 64, gpus_per_node: int = 8, gpu: str = "a100-80gb"):
+    """An ipywidgets form around `labkit.parallel.planner.plan`: change the model, GPU count or batch and the ranking updates."""
+    import ipywidgets as w
+
+    from labkit.parallel.planner import GPUS, PlanRequest, format_plan, plan
+
+    models = [m for m in (*presets.LLM_PRESETS, *presets.GPT_PRESETS)]
+    controls = dict(
+        model=w.Dropdown(options=models, value=model, description="model"),
+        gpus=w.BoundedIntText(value=gpus, min=1, max=16384, description="GPUs"),
+        gpus_per_node=w.BoundedIntText(value=gpus_per_node, min=1, max=64, description="per node"),
+        gpu=w.Dropdown(options=list(GPUS), value=gpu, description="GPU"),
+        batch=w.BoundedIntText(value=0, min=0, max=1 << 20, description="batch (0=auto)"),
+        top=w.BoundedIntText(value=8, min=1, max=100, description="show"),
+    )
+    out = w.Output()
+
+    def show(model, gpus, gpus_per_node, gpu, batch, top):
+        try:
+            req = PlanRequest(model=model, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, batch=batch or None)
+            result = plan(req)
+            text = format_plan(result, top=top)
+        except ConfigError as exc:
+            text = f"error: {exc}"
+        out.clear_output()
+        with out:
+            print(text)
+
+    w.interactive_output(show, controls)
+    return w.VBox([w.HBox(list(controls.values())[:3]), w.HBox(list(controls.values())[3:]), out])

@@ -20,13 +20,13 @@ def ladder(ev: Evidence) -> dict:
 
 
 def efficiency(ev: Evidence) -> float:
-    from labkit.train.report import scaling_rows
+    from labkit.viz.report import scaling_rows
 
     return float(scaling_rows(list(ladder(ev).values()))[-1]["efficiency"])
 
 
 def nvidia_efficiency(ev: Evidence) -> float:
-    from labkit.train.report import NVIDIA_RESNET50_A100
+    from labkit.viz.report import NVIDIA_RESNET50_A100
 
     return NVIDIA_RESNET50_A100["amp_8gpu_speedup"] / 8
 
