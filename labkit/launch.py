@@ -209,7 +209,7 @@ class _RankTail(threading.Thread):
         return "".join(self.parts)
 
 
-def _kill_tree(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
+def kill_tree(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
     """SIGTERM torchrun and every descendant (ranks run in their own sessions), SIGKILL what survives."""
     import psutil
 
@@ -289,10 +289,10 @@ def run(module: str, args: list[str], *, nproc: int, timeout_s: float = 600, env
     try:
         code = _wait(proc, timeout_s)
         if code is None:
-            _kill_tree(proc)
+            kill_tree(proc)
     except BaseException:  # KeyboardInterrupt in a notebook: never leave ranks behind, and be quick
         join_s = 1.0
-        _kill_tree(proc, grace_s=INTERRUPT_GRACE_S)
+        kill_tree(proc, grace_s=INTERRUPT_GRACE_S)
         raise
     finally:
         tail.done.set()

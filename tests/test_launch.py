@@ -177,16 +177,7 @@ def _no_launcher_outlives_its_test():
     while _LAUNCHERS:
         proc = _LAUNCHERS.pop()
         if proc.poll() is None:
-            try:
-                tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-            except psutil.NoSuchProcess:
-                tree = []
-            for p in tree:
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            psutil.wait_procs(tree, timeout=SLOW_S)
+            launch.kill_tree(proc, grace_s=0.5)
         if proc.stdout is not None and not proc.stdout.closed:
             proc.stdout.close()
         proc.wait()

@@ -94,7 +94,7 @@ def build_notebook(title: str, cells: Sequence[str | tuple[str, str]], *,
 def default_notebook_dir() -> Path:
     """`./notebooks` when run from a checkout, else the `notebooks/` next to the installed package."""
     here = Path.cwd() / "notebooks"
-    return here if here.is_dir() else Path(__file__).resolve().parent.parent / "notebooks"
+    return here if here.is_dir() else Path(__file__).resolve().parents[2] / "notebooks"
 
 
 def find_notebooks(names: Sequence[str] | None = None, notebook_dir: str | os.PathLike | None = None) -> list[Path]:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from labkit.errors import ConfigError, LabkitError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SLIDES_DIR = REPO / "slides"
 DEFAULT_OUT = REPO / "build" / "slides"
 CHROMIUM = "/usr/bin/chromium"  # Debian's package; the Makefile's `slides` target installs it

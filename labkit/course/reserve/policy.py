@@ -117,7 +117,7 @@ def default_policy_path() -> Path:
     for candidate in (DEFAULT_POLICY, Path("policy.yaml")):
         if candidate.exists() and Path.cwd().joinpath(candidate).parent.name == "reservations":
             return candidate
-    return Path(__file__).resolve().parents[2] / DEFAULT_POLICY
+    return Path(__file__).resolve().parents[3] / DEFAULT_POLICY
 
 
 def load_policy(path: str | Path | None = None) -> Policy:
