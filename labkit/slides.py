@@ -74,7 +74,7 @@ def _kwargs(tokens: list[str], where: str) -> dict:
 def fact(text: str, where: str = "deck") -> str:
     """Evaluate one `{{...}}`: `mem PART cfg...`, `params cfg...`, `trainable cfg...`, `bubble stages=
     microbatches= [schedule=]`, `ring n=` (bytes each rank sends per byte of gradient)."""
-    from labkit import figures
+    from labkit.parallel import comm
 
     name, *rest = text.split()
     if name in ("mem", "params", "trainable"):
@@ -91,10 +91,9 @@ def fact(text: str, where: str = "deck") -> str:
         value = est.model_states if part == "model_states" else getattr(est, part)
         return _bytes(value)
     if name == "bubble":
-        return f"{figures.table_bubble(figures.pipeline_table(**_kwargs(rest, where))):.0%}"
+        return f"{comm.grid_bubble(comm.schedule_grid(**_kwargs(rest, where))):.0%}"
     if name == "ring":
-        n = _kwargs(rest, where)["n"]
-        return f"{2 * (n - 1) / n:.2f}"
+        return f"{comm.bus_factor('all_reduce', _kwargs(rest, where)['n']):.2f}"
     raise ConfigError(f"{where}: unknown fact {name!r}; use mem, params, trainable, bubble or ring")
 
 

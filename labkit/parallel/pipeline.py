@@ -26,17 +26,11 @@ import torch
 from torch import nn
 
 from labkit.errors import ConfigError
+from labkit.parallel.comm import bubble_fraction, events_of, max_in_flight
+from labkit.parallel.comm import stage_bubbles as measured_bubble
 from labkit.parallel.single import Strategy
-from labkit.schedule_plot import events_of, max_in_flight, measured_bubble
 
 SCHEDULES = {"pipeline-gpipe": "gpipe", "pipeline-1f1b": "1f1b"}
-
-
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """Idle share of each stage in a flush pipeline: (p - 1) / (m + p - 1) (GPipe and 1F1B alike)."""
-    if stages < 1 or microbatches < 1:
-        raise ConfigError(f"stages={stages}, microbatches={microbatches}: both must be >= 1")
-    return (stages - 1) / (microbatches + stages - 1)
 
 
 def split_layers(num_layers: int, stages: int) -> list[list[int]]:
