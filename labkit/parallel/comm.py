@@ -31,7 +31,6 @@ Introduced in notebooks 03_ddp (ring) and 07_model_parallel (pipelines).
 from __future__ import annotations
 
 import numbers
-import statistics
 from typing import Sequence
 
 from labkit.errors import ConfigError, choices_error
@@ -196,17 +195,23 @@ def events_of(per_rank: list[list[tuple]]) -> list[dict]:
             for s, events in enumerate(per_rank) for e in events]
 
 
-def stage_bubbles(events: Sequence[dict]) -> list[float]:
-    """Per stage: 1 - (time computing) / (span of the whole step, first to last event)."""
+def _busy(events: Sequence[dict]) -> tuple[float, dict]:
+    """(span of the whole step, first to last event; time computing per stage)."""
     span = max(e["t1"] for e in events) - min(e["t0"] for e in events)
     stages = sorted({e["stage"] for e in events})
-    busy = {s: sum(e["t1"] - e["t0"] for e in events if e["stage"] == s) for s in stages}
-    return [1.0 - busy[s] / span if span > 0 else 0.0 for s in stages]
+    return span, {s: sum(e["t1"] - e["t0"] for e in events if e["stage"] == s) for s in stages}
+
+
+def stage_bubbles(events: Sequence[dict]) -> list[float]:
+    """Per stage: 1 - (time computing) / (span of the whole step)."""
+    span, busy = _busy(events)
+    return [1.0 - b / span if span > 0 else 0.0 for b in busy.values()]
 
 
 def grid_bubble(events: Sequence[dict]) -> float:
-    """The step's bubble: `stage_bubbles` averaged over the stages."""
-    return statistics.fmean(stage_bubbles(events))
+    """The step's bubble, averaged over the stages: 1 - busy / (span x stages)."""
+    span, busy = _busy(events)
+    return 1 - sum(busy.values()) / (span * len(busy)) if span > 0 else 0.0
 
 
 def max_in_flight(events: Sequence[dict]) -> list[int]:
