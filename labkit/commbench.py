@@ -11,7 +11,8 @@ Bandwidths (NVIDIA nccl-tests, doc/PERFORMANCE.md; GB/s = 10^9 bytes/s):
 - algorithm bandwidth algbw = S / time.
 - bus bandwidth busbw = algbw x factor(op, n), so that it is comparable with the hardware's link speed
   whatever the number of ranks: a ring all-reduce sends 2 (n-1)/n x S per rank (reduce-scatter then
-  all-gather, Patarasuk & Yuan 2009), all-gather, reduce-scatter and all-to-all (n-1)/n x S, broadcast S.
+  all-gather, Patarasuk & Yuan 2009), all-gather, reduce-scatter and all-to-all (n-1)/n x S, broadcast S
+  (the course's one model of this: `labkit.parallel.comm`).
 
 Rank 0 writes the measurements to `<out>/comm_bench.json` (format: `save`); by default `<out>` is
 ~/.cache/labkit, where notebook 03's ring model and the preflight look for it (`load_measured_bandwidth`;

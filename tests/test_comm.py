@@ -44,7 +44,8 @@ def test_the_strategies_and_the_benchmark_use_the_same_factors():
     (lambda: comm.seconds("all_gather", 1, 2, 0), "bandwidth 0"),
     (lambda: comm.bubble_fraction(0, 4), "stages=0"),
     (lambda: comm.bubble_fraction(4, 8, chunks=0), "chunks=0"),
-    (lambda: comm.in_flight("zb", 4, 8), "unknown schedule 'zb'; valid schedules are: gpipe, 1f1b")])
+    (lambda: comm.in_flight("zb", 4, 8), "unknown schedule 'zb'; valid schedules are: gpipe, 1f1b"),
+    (lambda: comm.in_flight("1f1b", 4, 8, stage=4), "stage=4")])
 def test_errors_name_the_bad_value(call, match):
     with pytest.raises(ConfigError, match=match):
         call()

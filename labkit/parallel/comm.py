@@ -48,8 +48,7 @@ def _positive(**values) -> None:
 def _collective(op: str, n: int) -> None:
     if op not in COLLECTIVES:
         raise choices_error("collective", op, COLLECTIVES)
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-        raise ConfigError(f"world size n={n!r}; it must be a positive integer")
+    _positive(n=n)
 
 
 # ----------------------------------------------------------------------------- collectives
@@ -64,7 +63,7 @@ def bus_factor(op: str, n: int) -> float:
 
 
 def hops(op: str, n: int) -> int:
-    """Messages in a row each rank sends: what the latency term multiplies (0 on one rank)."""
+    """Messages in a row each rank sends: what the latency term multiplies (a collective on one rank: 0)."""
     _collective(op, n)
     if op == "send_recv":
         return 1
@@ -106,6 +105,8 @@ def bubble_fraction(stages: int, microbatches: int, chunks: int = 1) -> float:
 def in_flight(schedule: str, stages: int, microbatches: int, stage: int = 0) -> int:
     """Most micro-batches whose activations `stage` holds at once: the activation-memory factor."""
     _check_schedule(schedule, stages, microbatches)
+    if not 0 <= stage < stages:
+        raise ConfigError(f"stage={stage!r}; a pipeline of {stages} stages has stages 0 to {stages - 1}")
     return microbatches if schedule == "gpipe" else min(stages - stage, microbatches)
 
 

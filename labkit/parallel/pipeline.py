@@ -14,8 +14,8 @@ Both idle the same share of each stage -- the bubble: (p - 1) / (m + p - 1) of t
 equal-cost stages (Narayanan et al. 2021, Sec. 2.2.1, write it as (p - 1) / m of the ideal time).
 1F1B buys memory, not a smaller bubble; more micro-batches (or interleaved stages) shrink it. We
 measure it: every stage records when it ran which micro-batch (`ScheduleTrace`), and bubble =
-1 - busy / span over the step, averaged over the stages; `labkit.schedule_plot` analyses the same
-events and draws the schedule diagram.
+1 - busy / span over the step, averaged over the stages (`labkit.parallel.comm`, the schedule model);
+`labkit.schedule_plot` draws the schedule diagram.
 Introduced in notebook 07_model_parallel.
 """
 from __future__ import annotations
