@@ -82,6 +82,14 @@ caption: "estimate: 7B"
     assert '<img src="data:image/svg+xml;base64,' in body and "<figcaption>estimate: 7B</figcaption>" in body
 
 
+def test_ring_and_bubble_facts_come_from_the_comm_model():
+    # 4 ranks: 2 (N-1)/N = 1.5; 102 MB of gradients -> 153 MB sent, at 12.5 GB/s 12.3 ms; p=4, m=8: 3/11
+    assert slides.fact("ring n=4") == "1.50"
+    assert slides.fact("ring n=4 bytes=102_000_000") == "153 MB"
+    assert slides.fact("ring n=4 bytes=102_000_000 bandwidth=12.5e+9") == "12 ms"
+    assert slides.fact("bubble stages=4 microbatches=8") == "27%"
+
+
 @pytest.mark.parametrize("body,match", [
     ("# S\n- [@nope]\n", r"01_demo.md:4: unknown citation \[@nope\]"),
     ("# S\n{{volume x=1}}\n", "unknown fact 'volume'"),

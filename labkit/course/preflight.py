@@ -25,6 +25,7 @@ from pathlib import Path
 from labkit import parallel
 from labkit.course import profile_check
 from labkit.errors import LabkitError
+from labkit.parallel import comm
 from labkit.profiles import Profile
 
 #: File in the output folder holding the probes and every check (docs/gpu-node.md).
@@ -255,7 +256,7 @@ def probe_rank(spec: dict, cfg, ctx) -> None:
             nbytes, p = n * 4, len(pair)
             algbw = nbytes / seconds / 1e9
             rows.append({"ranks": list(pair), "bytes": nbytes, "seconds": seconds,
-                         "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (p - 1) / p})
+                         "algbw_GBps": algbw, "busbw_GBps": algbw * comm.bus_factor("all_reduce", p)})
         dist.barrier()
     all_rows = [None] * world
     dist.all_gather_object(all_rows, rows)

@@ -73,8 +73,9 @@ def _kwargs(tokens: list[str], where: str) -> dict:
 
 def fact(text: str, where: str = "deck") -> str:
     """Evaluate one `{{...}}`: `mem PART cfg...`, `params cfg...`, `trainable cfg...`, `bubble stages=
-    microbatches= [schedule=]`, `ring n=` (bytes each rank sends per byte of gradient)."""
-    from labkit.viz import figures
+    microbatches= [schedule=]`, `ring n= [bytes=] [bandwidth=]` (bytes each rank sends per byte of
+    gradient; with bytes=, the MB it sends; with bandwidth= in B/s too, the ms that takes)."""
+    from labkit.parallel import comm
 
     name, *rest = text.split()
     if name in ("mem", "params", "trainable"):
@@ -91,10 +92,14 @@ def fact(text: str, where: str = "deck") -> str:
         value = est.model_states if part == "model_states" else getattr(est, part)
         return _bytes(value)
     if name == "bubble":
-        return f"{figures.table_bubble(figures.pipeline_table(**_kwargs(rest, where))):.0%}"
+        return f"{comm.grid_bubble(comm.schedule_grid(**_kwargs(rest, where))):.0%}"
     if name == "ring":
-        n = _kwargs(rest, where)["n"]
-        return f"{2 * (n - 1) / n:.2f}"
+        kw = _kwargs(rest, where)
+        if "bandwidth" in kw:
+            return f"{comm.seconds('all_reduce', kw['bytes'], kw['n'], kw['bandwidth']) * 1e3:.0f} ms"
+        if "bytes" in kw:
+            return f"{comm.bytes_sent('all_reduce', kw['bytes'], kw['n']) / 1e6:.0f} MB"
+        return f"{comm.bus_factor('all_reduce', kw['n']):.2f}"
     raise ConfigError(f"{where}: unknown fact {name!r}; use mem, params, trainable, bubble or ring")
 
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from labkit.parallel import comm
+
 FP32 = 4
 
 
@@ -131,7 +133,7 @@ def transformer_bytes(arch: dict, st: Step, *, gpt: bool = False) -> int:
         kept, working = per_layer, 0.0
     layers = math.ceil(arch["layers"] / st.pp)
     norm, rope, transient = _head(arch, st, gpt)
-    in_flight = min(st.pp, st.n_micro)  # 1F1B: the first stage holds up to pp micro-batches
+    in_flight = comm.in_flight("1f1b", st.pp, st.n_micro)  # 1F1B: the first stage holds up to pp micro-batches
     first = layers * kept * in_flight + rope + (norm + transient if st.pp == 1 else 0)
     last = layers * kept + rope + norm + transient
     backward = layers * kept * in_flight + rope + working

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit.errors import ConfigError
+from labkit.parallel import comm
 from labkit.parallel.single import Strategy
 
 ATTN_NAME = "labkit_ring"
@@ -224,7 +225,7 @@ class ContextParallelStrategy(Strategy):
         kv_bytes = 2 * self.cfg.seq_len * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
         n = self.ctx.world_size
         return {**super().record_extra(), "cp": n, "dp": 1, "cp_split": "contiguous",
-                "ring_kv_bytes_per_layer_per_sample": int((n - 1) / n * kv_bytes)}
+                "ring_kv_bytes_per_layer_per_sample": int(comm.bytes_sent("all_gather", kv_bytes, n))}
 
 
 STRATEGY_CLASSES = {"context-parallel": ContextParallelStrategy}

@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from labkit.errors import ConfigError
+from labkit.parallel import comm
 from labkit.parallel.single import Strategy
 
 
@@ -39,8 +40,8 @@ def allreduce_seconds(grad_bytes: float, world_size: int, bandwidth_bytes_s: flo
     """
     n = world_size
     buckets = max(1, -(-int(grad_bytes) // int(bucket_bytes)))  # ceil
-    sent = 2 * (n - 1) / n * grad_bytes if n > 1 else 0.0
-    seconds = sent / bandwidth_bytes_s + buckets * 2 * (n - 1) * latency_s
+    sent = comm.bytes_sent("all_reduce", grad_bytes, n)
+    seconds = comm.seconds("all_reduce", grad_bytes, n, bandwidth_bytes_s, latency_s=latency_s, messages=buckets)
     last_bucket = seconds * min(1.0, bucket_bytes / grad_bytes) if grad_bytes else 0.0
     return {"bytes_sent_per_rank": sent, "buckets": buckets, "seconds": seconds,
             "exposed_seconds_if_overlapped": last_bucket}
@@ -61,7 +62,7 @@ class DDPStrategy(Strategy):
         # Gradient bytes each step's all-reduce moves per rank (ring): 2 (N-1)/N x S.
         n = self.ctx.world_size
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        return {**super().record_extra(), "allreduce_bytes_per_rank": int(2 * (n - 1) / n * grad_bytes),
+        return {**super().record_extra(), "allreduce_bytes_per_rank": int(comm.bytes_sent("all_reduce", grad_bytes, n)),
                 "bucket_cap_mb": 25}
 
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from labkit.errors import ConfigError, choices_error
-from labkit.parallel import loading
+from labkit.parallel import comm, loading
 from labkit.parallel.single import Strategy
 from labkit.train.metrics import ResidentBytes, tensor_bytes
 
@@ -203,10 +203,10 @@ def comm_bytes_per_step(plan: FsdpPlan, param_bytes: int, shape: tuple[int, ...]
     """
     shard = shape[-1]
     replicas = shape[0] if len(shape) == 2 else 1
-    ring = (shard - 1) / shard * param_bytes
+    ring = comm.bytes_sent("all_gather", param_bytes, shard)  # = reduce-scatter's
     out = {"all_gather": int(ring * (2 if plan.reshard_after_forward else 1)), "reduce_scatter": int(ring)}
     if replicas > 1:
-        out["all_reduce"] = int(2 * (replicas - 1) / replicas * param_bytes / shard)
+        out["all_reduce"] = int(comm.bytes_sent("all_reduce", param_bytes, replicas) / shard)
     return out
 
 

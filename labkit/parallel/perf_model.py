@@ -35,6 +35,7 @@ from pathlib import Path
 
 from labkit.cache import cache_root
 from labkit.errors import ConfigError, choices_error
+from labkit.parallel import comm
 
 
 @dataclass(frozen=True)
@@ -279,9 +280,9 @@ def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, effi
     nonmatmul = layers * _nonmatmul_bytes(spec, lay, seq // lay.cp, gpt) / (g.hbm_gbs * 1e9 * MEMORY_EFFICIENCY)
     act = tok * a["hidden"] * 2  # one (b, s, h) bf16 activation
     n_ar = (6 if lay.checkpointing == "full" else 4) * layers
-    tp_bytes = n_ar * 2 * (t - 1) / t * act
+    tp_bytes = n_ar * comm.bytes_sent("all_reduce", act, t)
     tp = tp_bytes / (g.nvlink_gbs * 1e9 * COMM_EFFICIENCY)
-    pp_bytes = 2 * act / t if lay.pp > 1 else 0.0
+    pp_bytes = 2 * comm.bytes_sent("send_recv", act / t, 2) if lay.pp > 1 else 0.0  # forward + backward
     crosses = gpus > gpus_per_node and t * lay.pp > gpus_per_node
     pp = pp_bytes / ((g.network_gbs if crosses else g.nvlink_gbs) * 1e9 * COMM_EFFICIENCY)
     cp_bytes, ep_bytes = _cp_ep_bytes(spec, lay, tok, layers)
@@ -289,15 +290,16 @@ def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, effi
     cp = cp_bytes / bw(t * lay.cp <= gpus_per_node)
     ep = ep_bytes / bw(gpus <= gpus_per_node)
     slot = matmul + nonmatmul + tp + pp + cp + ep
-    m, warm = lay.microbatches, (lay.pp - 1) / lay.interleave
-    pipeline = (m + warm) * slot
+    m = lay.microbatches
+    pipeline = comm.step_slots(lay.pp, m, lay.interleave) * slot
+    bubble = comm.bubble_fraction(lay.pp, m, lay.interleave)
     params = params_on_gpu if params_on_gpu is not None else spec.params / (t * lay.pp)
     d = lay.dp * lay.cp  # cp ranks hold replicas too: they reduce gradients with the dp ranks
     if lay.zero == 3:  # gather for forward and backward, reduce-scatter, every micro-batch
-        dp_bytes = 3 * m * (d - 1) / d * 2 * params
+        dp_bytes = 3 * m * comm.bytes_sent("all_gather", 2 * params, d)
         hidden = pipeline
     else:  # one gradient all-reduce (ZeRO-1/2: reduce-scatter + all-gather, same bytes)
-        dp_bytes = 2 * (d - 1) / d * 2 * params
+        dp_bytes = comm.bytes_sent("all_reduce", 2 * params, d)
         hidden = (2 * fwd + 2 * head + redo) / flops_s  # the last micro-batch's backward
     dp_time = dp_bytes / _dp_bandwidth(g, lay, gpus, gpus_per_node) if d > 1 else 0.0
     dp_exposed = max(0.0, dp_time - hidden)
@@ -307,7 +309,7 @@ def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, effi
     model, hardware = step_flops(spec, b * m * lay.dp * seq, seq, lay.checkpointing)
     peak_all = gpus * g.peak_tflops * 1e12
     return StepTime(matmul_s=m * matmul, nonmatmul_s=m * nonmatmul, tp_s=m * tp, pp_s=m * pp, dp_s=dp_exposed,
-                    optimizer_s=optimizer, bubble=warm / (m + warm), step_s=step, model_flops=model,
+                    optimizer_s=optimizer, bubble=bubble, step_s=step, model_flops=model,
                     hardware_flops=hardware, mfu=model / (peak_all * step), hfu=hardware / (peak_all * step),
                     tflops_per_gpu=hardware / gpus / step / 1e12,
                     comm_bytes={"tp": int(m * tp_bytes), "pp": int(m * pp_bytes), "dp": int(dp_bytes),
@@ -324,8 +326,10 @@ def _cp_ep_bytes(spec, lay: Layout, tok: int, layers: int) -> tuple[float, float
     tok x k token copies of width h leave the GPU ((ep-1)/ep of them) for dispatch and come back for
     combine, forward and backward (x4)."""
     a = spec.arch
-    cp = 3 * layers * (lay.cp - 1) * 2 * tok * a["kv_heads"] * a["head_dim"] * 2 / lay.tp if lay.cp > 1 else 0.0
-    ep = 4 * layers * (lay.ep - 1) / lay.ep * tok * a.get("top_k", 0) * a["hidden"] * 2 if lay.ep > 1 else 0.0
+    cp = 3 * layers * comm.hops("all_gather", lay.cp) * 2 * tok * a["kv_heads"] * a["head_dim"] * 2 / lay.tp \
+        if lay.cp > 1 else 0.0
+    copies = tok * a.get("top_k", 0) * a["hidden"] * 2  # bytes of this GPU's routed token copies
+    ep = 4 * layers * comm.bytes_sent("all_to_all", copies, lay.ep) if lay.ep > 1 else 0.0
     return cp, ep
 
 

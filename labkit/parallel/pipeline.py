@@ -14,8 +14,8 @@ Both idle the same share of each stage -- the bubble: (p - 1) / (m + p - 1) of t
 equal-cost stages (Narayanan et al. 2021, Sec. 2.2.1, write it as (p - 1) / m of the ideal time).
 1F1B buys memory, not a smaller bubble; more micro-batches (or interleaved stages) shrink it. We
 measure it: every stage records when it ran which micro-batch (`ScheduleTrace`), and bubble =
-1 - busy / span over the step, averaged over the stages; `labkit.viz.pipeline_schedule` analyses the same
-events and draws the schedule diagram.
+1 - busy / span over the step, averaged over the stages (`labkit.parallel.comm`, the schedule model);
+`labkit.viz.pipeline_schedule` draws the schedule diagram.
 Introduced in notebook 07_model_parallel.
 """
 from __future__ import annotations
@@ -26,17 +26,11 @@ import torch
 from torch import nn
 
 from labkit.errors import ConfigError
+from labkit.parallel.comm import bubble_fraction, events_of, max_in_flight
+from labkit.parallel.comm import stage_bubbles as measured_bubble
 from labkit.parallel.single import Strategy
-from labkit.viz.pipeline_schedule import events_of, max_in_flight, measured_bubble
 
 SCHEDULES = {"pipeline-gpipe": "gpipe", "pipeline-1f1b": "1f1b"}
-
-
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """Idle share of each stage in a flush pipeline: (p - 1) / (m + p - 1) (GPipe and 1F1B alike)."""
-    if stages < 1 or microbatches < 1:
-        raise ConfigError(f"stages={stages}, microbatches={microbatches}: both must be >= 1")
-    return (stages - 1) / (microbatches + stages - 1)
 
 
 def split_layers(num_layers: int, stages: int) -> list[list[int]]:

@@ -25,6 +25,7 @@ import contextlib
 from torch import nn
 
 from labkit.errors import ConfigError
+from labkit.parallel import comm
 from labkit.parallel.pipeline import LlamaStage, PipelineStrategy, ScheduleTrace, schedule_facts, split_layers
 
 #: strategy name -> (torch schedule class name, stage-to-rank style)
@@ -95,8 +96,7 @@ class MultiTrace:
 
 def interleaved_bubble(stages: int, microbatches: int, chunks: int = CHUNKS) -> float:
     """Idle share of interleaved 1F1B: ((p-1)/v) / (m + (p-1)/v), Narayanan et al. 2021 Sec. 2.2.2."""
-    warm = (stages - 1) / chunks
-    return warm / (microbatches + warm)
+    return comm.bubble_fraction(stages, microbatches, chunks)
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from labkit.errors import ConfigError
-from labkit.parallel import loading
+from labkit.parallel import comm, loading
 from labkit.parallel.single import Strategy
 from labkit.train.metrics import ResidentBytes
 
@@ -213,7 +213,7 @@ def comm_bytes_per_step(stage: int, param_bytes: int, n: int) -> dict[str, int]:
     Stages 1-2: reduce-scatter the gradients, all-gather the updated parameters (= DDP's all-reduce).
     Stage 3: parameters are all-gathered in forward AND in backward: 1.5x data parallelism.
     """
-    ring = int((n - 1) / n * param_bytes)
+    ring = int(comm.bytes_sent("reduce_scatter", param_bytes, n))  # = all-gather's
     return {"reduce_scatter": ring, "all_gather": ring * (2 if stage == 3 else 1)}
 
 

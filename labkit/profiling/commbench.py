@@ -11,7 +11,8 @@ Bandwidths (NVIDIA nccl-tests, doc/PERFORMANCE.md; GB/s = 10^9 bytes/s):
 - algorithm bandwidth algbw = S / time.
 - bus bandwidth busbw = algbw x factor(op, n), so that it is comparable with the hardware's link speed
   whatever the number of ranks: a ring all-reduce sends 2 (n-1)/n x S per rank (reduce-scatter then
-  all-gather, Patarasuk & Yuan 2009), all-gather, reduce-scatter and all-to-all (n-1)/n x S, broadcast S.
+  all-gather, Patarasuk & Yuan 2009), all-gather, reduce-scatter and all-to-all (n-1)/n x S, broadcast S
+  (the course's one model of this: `labkit.parallel.comm`).
 
 Rank 0 writes the measurements to `<out>/comm_bench.json` (format: `save`); by default `<out>` is
 ~/.cache/labkit, where notebook 03's ring model and the preflight look for it (`load_measured_bandwidth`;
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from labkit.cache import cache_root
 from labkit.errors import ConfigError, choices_error
+from labkit.parallel import comm
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 #: File name of the measurements inside --out; default folder and the env var that overrides the file.
@@ -41,23 +43,16 @@ _ELEMENT = 4  # fp32
 
 
 def ring_factor(n: int) -> float:
-    """2 (n-1)/n: bytes a rank sends per byte all-reduced, from the course's ring model
-    (`labkit.parallel.ddp.allreduce_seconds`, notebook 03), not a second copy of the formula."""
-    from labkit.parallel.ddp import allreduce_seconds
-
-    return allreduce_seconds(1.0, n, 1.0)["bytes_sent_per_rank"]
+    """2 (n-1)/n: bytes a rank sends per byte all-reduced (`labkit.parallel.comm`, notebook 03)."""
+    return comm.bus_factor("all_reduce", n)
 
 
 def bus_factor(op: str, n: int) -> float:
-    """busbw / algbw for `op` on `n` ranks (nccl-tests PERFORMANCE.md)."""
+    """busbw / algbw for `op` on `n` ranks (nccl-tests PERFORMANCE.md): the bytes each rank sends per
+    byte of S, `labkit.parallel.comm.bus_factor`, for the collectives this benchmark runs."""
     if op not in OPS:
         raise choices_error("collective", op, OPS)
-    if not isinstance(n, int) or n < 1:
-        raise ConfigError(f"world size n={n!r}; it must be a positive integer")
-    if op == "broadcast":
-        return 1.0
-    # The ring all-reduce is a reduce-scatter followed by an all-gather: each of those is half of it.
-    return ring_factor(n) if op == "all_reduce" else ring_factor(n) / 2
+    return comm.bus_factor(op, n)
 
 
 @dataclass(frozen=True)

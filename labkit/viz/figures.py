@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 from labkit.errors import ConfigError
+from labkit.parallel import comm
 
 RANK_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C")
 STATE_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868"}
@@ -98,7 +99,7 @@ def ring_allreduce_steps(n: int = 4):
         row, col = (0, t + 1) if t < n - 1 else (1, t - (n - 1) + 1)
         panels.append((row, col, f"{step['phase']} {t % (n - 1) + 1}", step))
     axes[1][0].axis("off")
-    axes[1][0].text(0.5, 0.5, f"per rank: sends\n2(N-1)/N x S\n= {2 * (n - 1) / n:.2f} S",
+    axes[1][0].text(0.5, 0.5, f"per rank: sends\n2(N-1)/N x S\n= {comm.bus_factor('all_reduce', n):.2f} S",
                     ha="center", va="center", fontsize=11)
     for idx, (row, col, label, step) in enumerate(panels):
         a = axes[row][col]
@@ -132,7 +133,8 @@ def allreduce_traffic(max_ranks: int = 64, *, ax=None):
     _positive(max_ranks=max_ranks)
     fig, a = _axes(ax, (6.0, 3.6))
     ns = list(range(2, max_ranks + 1))
-    a.plot(ns, [2 * (n - 1) / n for n in ns], lw=2.5, color=RANK_COLORS[0], label="ring: every rank sends 2(N-1)/N x S")
+    a.plot(ns, [comm.bus_factor("all_reduce", n) for n in ns], lw=2.5, color=RANK_COLORS[0],
+           label="ring: every rank sends 2(N-1)/N x S")
     a.plot(ns, [2 * (n - 1) for n in ns], lw=2.5, color=RANK_COLORS[3], label="one reducing rank: 2(N-1) x S")
     a.set_yscale("log")
     a.set_xlabel("ranks N")
@@ -236,7 +238,7 @@ def checkpointing_tradeoff(layers: int = 36):
 
 
 # ----------------------------------------------------------------------------- pipelines
-SCHEDULE_NAMES = ("gpipe", "1f1b")
+SCHEDULE_NAMES = comm.SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -250,66 +252,22 @@ class PipeOp:
     end: float
 
 
-def _stage_order(schedule: str, stages: int, microbatches: int, stage: int) -> list[tuple[str, int]]:
-    if schedule == "gpipe":  # Huang et al. 2019: all forwards, then all backwards
-        return [("F", i) for i in range(microbatches)] + [("B", i) for i in range(microbatches)]
-    # 1F1B / PipeDream-Flush (Narayanan et al. 2021, Sec. 2.2): p - s - 1 warm-up forwards,
-    # then one forward + one backward, then the remaining backwards.
-    warm = min(stages - stage - 1, microbatches)
-    ops, f = [("F", i) for i in range(warm)], warm
-    for b in range(microbatches):
-        if f < microbatches:
-            ops.append(("F", f))
-            f += 1
-        ops.append(("B", b))
-    return ops
-
-
 def pipeline_table(stages: int, microbatches: int, schedule: str = "1f1b", *, forward: float = 1.0,
                    backward: float = 2.0) -> list[PipeOp]:
-    """Simulate a flush pipeline: each stage runs its schedule's op order, an op starting when the stage
-    is free and its input has arrived (F after the previous stage's F, B after the next stage's B)."""
-    _positive(stages=stages, microbatches=microbatches)
-    if schedule not in SCHEDULE_NAMES:
-        raise ConfigError(f"unknown schedule {schedule!r}; valid schedules are: {', '.join(SCHEDULE_NAMES)}")
-    orders = [_stage_order(schedule, stages, microbatches, s) for s in range(stages)]
-    done: dict[tuple, float] = {}
-    free, pos, table = [0.0] * stages, [0] * stages, []
-    progress = True
-    while progress:
-        progress = False
-        for s in range(stages):
-            while pos[s] < len(orders[s]):
-                kind, i = orders[s][pos[s]]
-                dep = ("F", s - 1, i) if kind == "F" else ("B", s + 1, i)
-                if dep[1] in (-1, stages):
-                    dep = None  # the first stage's F reads data; the last stage's B follows its own F
-                if dep is not None and dep not in done:
-                    break
-                start = max(free[s], done.get(dep, 0.0))
-                end = start + (forward if kind == "F" else backward)
-                done[(kind, s, i)], free[s] = end, end
-                pos[s] += 1
-                progress = True
-                table.append(PipeOp(s, kind, i, start, end))
-    return sorted(table, key=lambda op: (op.stage, op.start))
+    """The flush pipeline `labkit.parallel.comm.schedule_grid` simulates, as PipeOps: each stage runs its
+    schedule's op order, an op starting when the stage is free and its input has arrived."""
+    grid = comm.schedule_grid(stages, microbatches, schedule, forward=forward, backward=backward)
+    return [PipeOp(e["stage"], e["kind"], e["mb"], e["t0"], e["t1"]) for e in grid]
 
 
 def table_bubble(table: list[PipeOp]) -> float:
     """Idle share of the step, averaged over stages: 1 - busy / span."""
-    span = max(op.end for op in table) - min(op.start for op in table)
-    stages = {op.stage for op in table}
-    busy = sum(op.end - op.start for op in table)
-    return 1 - busy / (span * len(stages))
+    return comm.grid_bubble(schedule_events(table))
 
 
 def in_flight(table: list[PipeOp], stage: int) -> int:
     """Peak number of micro-batches whose activations `stage` holds (forward done, backward not)."""
-    live = peak = 0
-    for op in (op for op in table if op.stage == stage):  # sorted by start within a stage
-        live += 1 if op.kind == "F" else -1
-        peak = max(peak, live)
-    return peak
+    return comm.max_in_flight([e for e in schedule_events(table) if e["stage"] == stage])[0]
 
 
 def schedule_events(table: list[PipeOp]) -> list[dict]:
@@ -326,7 +284,7 @@ def pipeline_schedule(stages: int = 4, microbatches: int = 8, schedules=SCHEDULE
 
     schedules = (schedules,) if isinstance(schedules, str) else tuple(schedules)
     fig, axes = plt.subplots(len(schedules), 1, figsize=(11.0, 0.9 + 0.62 * stages * len(schedules)), squeeze=False)
-    formula = (stages - 1) / (microbatches + stages - 1)
+    formula = comm.bubble_fraction(stages, microbatches)
     for a, name in zip(axes[:, 0], schedules):
         table = pipeline_table(stages, microbatches, name)
         span = max(op.end for op in table)

@@ -4,9 +4,11 @@ A pipeline run records, per stage, when it computed which micro-batch (`RunRecor
 ["schedule_trace"]`: dicts with stage, kind 'F'/'B', mb, t0, t1 in ms; see
 `labkit.parallel.pipeline.ScheduleTrace`). `plot_schedule` draws them as the familiar GPipe / 1F1B
 picture (Huang et al. 2019; Narayanan et al. 2021, Figs. 3-4): one row per stage, time to the
-right, white space = the bubble. `measured_bubble` / `max_in_flight` read the idle share and the held
-activations off the events, `replay` re-times them with free communication, `text_schedule` gives the
-order as text, `plot_bubble` compares the measured bubble with (p - 1) / (m + p - 1).
+right, white space = the bubble. The schedule model that reads the events lives in
+`labkit.parallel.comm` and is re-exported here for the notebooks: `measured_bubble` / `max_in_flight`
+read the idle share and the held activations off the events, `replay` re-times them with free
+communication. `text_schedule` gives the order as text, `plot_bubble` compares the measured bubble with
+(p - 1) / (m + p - 1).
 Introduced in notebook 07_model_parallel.
 """
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from labkit.errors import ConfigError
+from labkit.parallel.comm import bubble_fraction, events_of, max_in_flight, replay  # noqa: F401 (re-exported)
+from labkit.parallel.comm import stage_bubbles as measured_bubble  # noqa: F401 (re-exported)
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}  # W: weight-gradient half (zero bubble)
 
@@ -31,37 +35,6 @@ def trace_of(record) -> list[dict]:
     return events
 
 
-def events_of(per_rank: list[list[tuple]]) -> list[dict]:
-    """One step's events of every stage as dicts, times in ms from the step's first event.
-
-    `stage` is the rank; an event with a fifth element (several stages per rank, notebook 09) also
-    gets `chunk`, the virtual stage it ran."""
-    start = min(e[2] for events in per_rank for e in events)
-    return [dict(stage=s, kind=e[0], mb=e[1], t0=round((e[2] - start) * 1e3, 3), t1=round((e[3] - start) * 1e3, 3),
-                 **({"chunk": e[4]} if len(e) > 4 else {}))
-            for s, events in enumerate(per_rank) for e in events]
-
-
-def measured_bubble(events: list[dict]) -> list[float]:
-    """Per stage: 1 - (time computing) / (span of the whole pipeline step, first to last event)."""
-    span = max(e["t1"] for e in events) - min(e["t0"] for e in events)
-    stages = sorted({e["stage"] for e in events})
-    busy = {s: sum(e["t1"] - e["t0"] for e in events if e["stage"] == s) for s in stages}
-    return [1.0 - busy[s] / span if span > 0 else 0.0 for s in stages]
-
-
-def max_in_flight(events: list[dict]) -> list[int]:
-    """Per stage: the most micro-batches whose activations are held (forwarded, not yet backwarded)."""
-    out = []
-    for s in sorted({e["stage"] for e in events}):
-        held = peak = 0
-        for e in sorted((e for e in events if e["stage"] == s), key=lambda e: e["t0"]):
-            held += {"F": 1, "B": -1}.get(e["kind"], 0)  # W frees no activation input
-            peak = max(peak, held)
-        out.append(peak)
-    return out
-
-
 def text_schedule(events: Sequence[dict]) -> str:
     """One line per stage: its actions in time order, e.g. 'stage 0: F0 F1 B0 F2 B1 B2'."""
     lines = []
@@ -74,38 +47,6 @@ def text_schedule(events: Sequence[dict]) -> str:
 def _label(e: dict) -> str:
     """'F3', or 'F3s2' when the event ran virtual stage 2."""
     return f"{e['kind']}{e['mb']}" + (f"s{e['chunk']}" if "chunk" in e else "")
-
-
-def replay(events: Sequence[dict]) -> list[dict]:
-    """The same schedule with free communication: each stage keeps its measured order and op
-    durations, and an op starts as soon as its stage is free and its input exists (F(s, i) needs
-    F(s-1, i); B(s, i) needs B(s+1, i), the last stage's B(i) its own F(i)). Comparing the bubble of
-    the replay with the measured one separates waiting for messages from the schedule's own bubble."""
-    stages = sorted({e["stage"] for e in events})
-    order = {s: sorted((e for e in events if e["stage"] == s), key=lambda e: e["t0"]) for s in stages}
-    done: dict[tuple, float] = {}
-    free = {s: 0.0 for s in stages}
-    todo = {s: list(order[s]) for s in stages}
-    out = []
-    while any(todo.values()):
-        progressed = False
-        for s in stages:
-            while todo[s]:
-                e = todo[s][0]
-                dep = (("F", s - 1, e["mb"]) if e["kind"] == "F" and s > stages[0] else
-                       ("B", s + 1, e["mb"]) if e["kind"] == "B" and s < stages[-1] else
-                       ("F", s, e["mb"]) if e["kind"] == "B" else None)
-                if dep is not None and dep not in done:
-                    break
-                start = max(free[s], done.get(dep, 0.0))
-                end = start + e["t1"] - e["t0"]
-                done[(e["kind"], s, e["mb"])], free[s] = end, end
-                out.append({**e, "t0": round(start, 3), "t1": round(end, 3)})
-                todo[s].pop(0)
-                progressed = True
-        if not progressed:
-            raise ConfigError("the schedule trace has a cycle or a missing event; pass one complete step")
-    return out
 
 
 def plot_schedule(record_or_events, *, title: str | None = None, ax=None):
@@ -139,8 +80,6 @@ def plot_bubble(rows: Sequence[dict], *, ax=None):
 
     rows: dicts with 'schedule', 'microbatches', 'stages', 'bubble_measured' (one per run)."""
     import matplotlib.pyplot as plt
-
-    from labkit.parallel.pipeline import bubble_fraction
 
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 4))

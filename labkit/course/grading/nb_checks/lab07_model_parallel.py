@@ -21,8 +21,9 @@ def bubble_p4_m8(ev: Evidence) -> float:
 def in_flight_p4_m8(ev: Evidence) -> list[int]:
     # Stage 0 of p = 4, m = 8: GPipe forwards all m before any backward; 1F1B warms up with p - s = 4
     # forwards, then alternates (Narayanan et al. 2021, Sec. 2.2).
-    p, m, stage = 4, 8, 0
-    return [m, min(m, p - stage)]
+    from labkit.parallel.comm import in_flight
+
+    return [in_flight("gpipe", 4, 8, stage=0), in_flight("1f1b", 4, 8, stage=0)]
 
 
 def tp_allreduces_per_layer(ev: Evidence) -> float:
