@@ -82,13 +82,16 @@ def case(exercise: str, *, points: float = 1):
     return mark
 
 
-def load_module(path: str | Path) -> types.ModuleType:
-    """Execute a test file in a fresh module (not in sys.modules: cloudpickle ships it by value)."""
+def _is_hidden_dir(path: Path) -> bool:
+    return path.parent.name in ("hidden", "autograder")
+
+
+def load_module(path: str | Path, text: str | None = None) -> types.ModuleType:
+    """Execute a test file (or its `text`) in a fresh module, not in sys.modules: cloudpickle ships it by value."""
     path = Path(path)
-    hidden = path.parent.name in ("hidden", "autograder")
-    module = types.ModuleType(f"labkit_exercise_tests_{'hidden_' if hidden else ''}{path.stem}")
+    module = types.ModuleType(f"labkit_exercise_tests_{path.stem}")
     module.__dict__["__labkit_test_file__"] = str(path)
-    code = compile(path.read_text(), str(path), "exec")
+    code = compile(path.read_text() if text is None else text, str(path), "exec")
     exec(code, module.__dict__)  # noqa: S102 - the course's own test files
     return module
 
@@ -96,9 +99,15 @@ def load_module(path: str | Path) -> types.ModuleType:
 def load_cases(path: str | Path, *, hidden: bool | None = None) -> list[Case]:
     """The cases of one test file, in file order. `hidden` defaults to "the file sits in hidden/ or autograder/"."""
     path = Path(path)
-    if hidden is None:
-        hidden = path.parent.name in ("hidden", "autograder")
-    module = load_module(path)
+    return _cases(load_module(path), _is_hidden_dir(path) if hidden is None else hidden)
+
+
+def load_cases_from_text(text: str, file_name: str, *, hidden: bool) -> list[Case]:
+    """The cases of a test file's text (the grader ships tests to the sandbox as text, not as a path)."""
+    return _cases(load_module(file_name, text), hidden)
+
+
+def _cases(module: types.ModuleType, hidden: bool) -> list[Case]:
     cases = []
     for name, obj in vars(module).items():
         mark = getattr(obj, _CASE_ATTR, None)
