@@ -126,3 +126,25 @@ def grade_exercises(nb, notebook: str, plan: Plan, *, timeout_s: float = DEFAULT
         grades.append(ExerciseGrade(exercise, status, reason, results) if results else
                       _zero(exercise, plan, status, reason))
     return grades
+
+
+def summary(grades: list[ExerciseGrade]) -> str:
+    """One line for the gradebook: every exercise's score, and why one got nothing."""
+    parts = []
+    for g in grades:
+        earned, possible = g.score, sum(r.points for r in g.results)
+        why = f" ({g.status}: {g.reason})" if g.status in ("error", "missing") else \
+            f" ({g.status})" if g.status == "not attempted" else ""
+        parts.append(f"{g.exercise} {earned:g}/{possible:g}{why}")
+    return "code: " + "; ".join(parts)
+
+
+def merge(grade, grades: list[ExerciseGrade]):
+    """`grade` (a gradebook row) with the code tests' results, points and a summary added."""
+    from dataclasses import replace
+
+    results = tuple(r for g in grades for r in g.results)
+    return replace(grade, score=grade.score + sum(r.earned for r in results),
+                   max_score=grade.max_score + sum(r.points for r in results),
+                   results=tuple(grade.results) + results,
+                   detail=f"{grade.detail}; {summary(grades)}" if grade.detail else summary(grades))
