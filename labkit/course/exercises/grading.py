@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from labkit.course.exercises.cases import load_cases
-from labkit.course.exercises.runner import OK, run_exercise, test_payload
+from labkit.course.exercises.runner import OK, run_exercise, payload_of
 from labkit.course.exercises.source import exercise_cells
 from labkit.grading.checks import CheckResult
 
@@ -110,7 +110,7 @@ def grade_exercises(nb, notebook: str, plan: Plan, *, timeout_s: float = DEFAULT
                     private: tuple = (), kernel: str = "labkit", reveal_hidden: bool = False) -> list[ExerciseGrade]:
     """Run every exercise of `plan` on the cells of `nb`; one ExerciseGrade each, never raises for student code."""
     cells = exercise_cells(nb)
-    tests = test_payload(plan.visible, False) + test_payload(plan.hidden, True)
+    tests = payload_of(plan.visible, False) + payload_of(plan.hidden, True)
     grades = []
     for exercise in plan.exercises:
         if exercise not in cells:

@@ -37,7 +37,7 @@ class Outcome:
     """Per source variant: {"error": str} or {"results": [{"name", "hidden", "points", "status", "message"}]}."""
 
 
-def test_payload(paths, hidden: bool) -> list[dict]:
+def payload_of(paths, hidden: bool) -> list[dict]:
     return [{"file": Path(p).name, "text": Path(p).read_text(), "hidden": hidden} for p in paths]
 
 
