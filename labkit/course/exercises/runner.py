@@ -121,7 +121,12 @@ def _run_variant(exercise: str, source: str, cases, reveal: bool = False) -> dic
 
     namespace = {"__name__": "labkit_submission"}
     try:
-        exec(compile(to_python(source), f"<exercise {exercise}>", "exec"), namespace)  # noqa: S102
+        code = to_python(source)
+        if "get_ipython()" in code:  # a magic (%time, %%writefile): run it as IPython would
+            from IPython.core.interactiveshell import InteractiveShell
+
+            namespace["get_ipython"] = InteractiveShell.instance
+        exec(compile(code, f"<exercise {exercise}>", "exec"), namespace)  # noqa: S102
     except BaseException as exc:  # noqa: BLE001 - the cell itself fails: every test fails with this reason
         return {"error": f"the exercise cell raised {type(exc).__name__}: {str(exc)[:200]}"}
     fn = namespace.get(exercise)
