@@ -78,7 +78,7 @@ def graded(tmp_path_factory):
         (root / "subs" / student).mkdir(parents=True)
         nbformat.write(nb, str(root / "subs" / student / f"{NB}.ipynb"))
     registry.register(NB, (relation("always", 1, lambda ev: True),))
-    opts = GradeOptions(autograder=str(root / "ag"), exercise_timeout_s=8.0)
+    opts = GradeOptions(autograder=str(root / "ag"), exercise_timeout_s=8.0, workers=2)
     result = run_batch(root / "subs", root / "out", opts)
     yield root, {r.student: r for r in result.rows}
     registry.unregister(NB)
