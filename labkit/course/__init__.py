@@ -1,1 +1,1 @@
-"""Course machinery: grading, reservations and lease timelines, slides, the notebook runner, node checks."""
+"""Course machinery: code exercises and grading, reservations and lease timelines, slides, the notebook runner, node checks."""
