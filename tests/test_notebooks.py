@@ -47,8 +47,6 @@ EXECUTED_BY_PROFILE = {"smoke": EXECUTED, "smoke-bf16": ROOT / "build" / "execut
 NO_BF16_BRANCH = {
     "00_setup": "trains nothing",
     "01_memory": "estimates and FakeTensor traces; bf16 traces are tests/test_memory_trace.py's",
-    "09_beyond_3d": "cp, ep and the hang demo: every strategy trains in bf16 in the smoke-bf16 preflight "
-                    "(tests/test_gpu_profiles.py)",
 }
 PROFILE_RUNS = [pytest.param(path, profile, id=f"{rel(path)}-{profile}")
                 for path in EXECUTED_IN_CI for profile in EXECUTED_BY_PROFILE
