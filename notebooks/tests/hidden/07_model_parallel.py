@@ -9,7 +9,8 @@ MUTANTS = {
     "row_parallel": [("torch.nn.functional.linear(x_shard, w_shard), group)",
                       "torch.nn.functional.linear(x_shard, w_shard, bias), group)")],
     "gpipe_step": [("y = loss_fn(y, ts[i]) / microbatches", "y = loss_fn(y, ts[i])"),
-                   ("grad = torch.empty_like(y)", "grad = torch.ones_like(y)")],
+                   ("dist.send(x.grad.contiguous(), dst=peer(rank - 1), group=group)",
+                    "dist.send(torch.zeros_like(x.grad), dst=peer(rank - 1), group=group)")],
     "bubble_fraction": [("total = 2 * (microbatches + stages - 1)", "total = 2 * (microbatches + stages)")],
 }
 
