@@ -155,3 +155,44 @@ def test_spawn_rejects_bad_arguments():
         ex.spawn(_rank_stub, world=0)
     with pytest.raises(ValueError, match="timeout=0"):
         ex.spawn(_rank_stub, timeout=0)
+
+
+# ---------------------------------------------------------------- exercise cells and their markers
+CELL = '''# EXERCISE halve: halve it
+%time import math
+
+def halve(x):
+    """Half of x."""
+    # BEGIN SOLUTION
+    y = x / 2
+    return y
+    # END SOLUTION
+
+answer_value = 42  # SOLUTION
+'''
+
+
+def test_stub_replaces_each_region_at_its_indent_and_one_line_answers_by_none():
+    from labkit.course.exercises.source import solution_lines, stub
+
+    out = stub(CELL, "halve")
+    assert '    """Half of x."""\n    raise NotImplementedError("exercise halve: write your code here")\n' in out
+    assert "answer_value = None  # YOUR ANSWER" in out
+    assert not any(line in out for line in solution_lines(CELL))
+    assert solution_lines(CELL) == ["    y = x / 2", "    return y", "answer_value = 42  # SOLUTION"]
+
+
+def test_exercise_cells_come_from_metadata_or_the_header_line_and_magics_run_as_python():
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    from labkit.course.exercises.source import exercise_cells, to_python
+
+    nb = new_notebook(cells=[new_code_cell(CELL), new_code_cell("def g():\n    pass", metadata={"labkit": {"exercise": "g"}}),
+                             new_code_cell("x = 1")])
+    assert list(exercise_cells(nb)) == ["halve", "g"]
+    namespace = {}
+    from IPython.testing.globalipapp import start_ipython  # get_ipython() for the %time line
+
+    start_ipython()
+    exec(to_python(CELL), namespace)
+    assert namespace["halve"](3) == 1.5

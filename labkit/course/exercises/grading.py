@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from labkit.course.exercises.cases import load_cases
-from labkit.course.exercises.runner import OK, run_exercise, test_payload
+from labkit.course.exercises.runner import OK, run_exercise, payload_of
 from labkit.course.exercises.source import exercise_cells
 from labkit.grading.checks import CheckResult
 
@@ -87,7 +87,7 @@ def _results(exercise: str, plan: Plan, variant: dict) -> tuple[str, str, tuple[
         else:
             message = r["message"] or "fails"
         out.append(CheckResult(f"{exercise}: {r['name']}", r["points"], r["points"] if passed else 0.0, passed,
-                               not r["hidden"], message if not r["hidden"] else ""))
+                               not r["hidden"], message))
     if all(s == "not attempted" for s in statuses):
         return "not attempted", "not attempted", tuple(out)
     npass = statuses.count("pass")
@@ -107,10 +107,10 @@ def _zero(exercise: str, plan: Plan, status: str, reason: str) -> ExerciseGrade:
 
 def grade_exercises(nb, notebook: str, plan: Plan, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                     memory_bytes: int = 8 * 2**30, output_bytes: int = 50 * 2**20, isolation=None,
-                    private: tuple = (), kernel: str = "labkit") -> list[ExerciseGrade]:
+                    private: tuple = (), kernel: str = "labkit", reveal_hidden: bool = False) -> list[ExerciseGrade]:
     """Run every exercise of `plan` on the cells of `nb`; one ExerciseGrade each, never raises for student code."""
     cells = exercise_cells(nb)
-    tests = test_payload(plan.visible, False) + test_payload(plan.hidden, True)
+    tests = payload_of(plan.visible, False) + payload_of(plan.hidden, True)
     grades = []
     for exercise in plan.exercises:
         if exercise not in cells:
@@ -118,7 +118,8 @@ def grade_exercises(nb, notebook: str, plan: Plan, *, timeout_s: float = DEFAULT
                                 f"cell that starts with `# EXERCISE {exercise}` from the course notebook"))
             continue
         run = run_exercise(exercise, [cells[exercise]], tests, timeout_s=timeout_s, memory_bytes=memory_bytes,
-                           output_bytes=output_bytes, isolation=isolation, private=private, kernel=kernel)
+                           output_bytes=output_bytes, isolation=isolation, private=private, kernel=kernel,
+                           reveal_hidden=reveal_hidden)
         if run.status != OK:
             grades.append(_zero(exercise, plan, "error", run.reason))
             continue
@@ -148,3 +149,24 @@ def merge(grade, grades: list[ExerciseGrade]):
                    max_score=grade.max_score + sum(r.points for r in results),
                    results=tuple(grade.results) + results,
                    detail=f"{grade.detail}; {summary(grades)}" if grade.detail else summary(grades))
+
+
+def full_marks_problems(executed: str | Path, tests_dir: str | Path | None = None) -> list[str]:
+    """Why an executed SOURCE notebook does not get full marks (recorded checks + visible and hidden code
+    tests, hidden messages shown: this is for CI and authors); [] when it does."""
+    from labkit.grading.evaluate import GRADED, grade_notebook, load_notebook
+    from labkit.grading.evidence import identity
+    from labkit.grading.registry import checks_for
+    from labkit.errors import GradingError
+
+    nb = load_notebook(executed)
+    notebook = identity(nb) or Path(executed).stem
+    try:
+        checks = checks_for(notebook)
+    except GradingError:
+        checks = ()
+    tests = Path(tests_dir) if tests_dir else source_tests_dir()
+    grade = merge(grade_notebook(nb, notebook, checks),
+                  grade_exercises(nb, notebook, plan_for(notebook, tests, tests / "hidden"), reveal_hidden=True))
+    problems = [] if grade.status == GRADED else [f"{grade.status}: {grade.detail}"]
+    return problems + [f"{r.name}: {r.message}" for r in grade.results if not r.passed]

@@ -37,7 +37,7 @@ class Outcome:
     """Per source variant: {"error": str} or {"results": [{"name", "hidden", "points", "status", "message"}]}."""
 
 
-def test_payload(paths, hidden: bool) -> list[dict]:
+def payload_of(paths, hidden: bool) -> list[dict]:
     return [{"file": Path(p).name, "text": Path(p).read_text(), "hidden": hidden} for p in paths]
 
 
@@ -57,12 +57,13 @@ def _reader(pipe, cap: int, state: dict) -> None:
 
 def run_exercise(exercise: str, sources: list[str], tests: list[dict], *, timeout_s: float,
                  memory_bytes: int, output_bytes: int, isolation=None, private: tuple = (),
-                 scratch_bytes: int = 512 * 2**20, kernel: str = "labkit") -> Outcome:
-    """Run the cases of `exercise` from `tests` on each source variant; never raises for what the code does."""
+                 scratch_bytes: int = 512 * 2**20, kernel: str = "labkit", reveal_hidden: bool = False) -> Outcome:
+    """Run the cases of `exercise` from `tests` on each source variant; never raises for what the code does.
+    A hidden test's message comes back only with `reveal_hidden` (CI and authors, never students)."""
     from labkit.grading import isolation as iso_mod
     from labkit.grading.sandbox import _kill_tree, scratch_env
 
-    job = json.dumps({"exercise": exercise, "sources": sources, "tests": tests}).encode()
+    job = json.dumps({"exercise": exercise, "sources": sources, "tests": tests, "reveal": reveal_hidden}).encode()
     with tempfile.TemporaryDirectory(prefix="labkit-exercise-") as tmp:
         work = Path(tmp).resolve()
         scratch = work if isolation is not None and isolation.level == iso_mod.BUBBLEWRAP else work / "scratch"
@@ -114,13 +115,18 @@ def run_exercise(exercise: str, sources: list[str], tests: list[dict], *, timeou
 
 
 # ---------------------------------------------------------------- the runner (child process)
-def _run_variant(exercise: str, source: str, cases) -> dict:
+def _run_variant(exercise: str, source: str, cases, reveal: bool = False) -> dict:
     from labkit.course.exercises.cases import run_cases
     from labkit.course.exercises.source import to_python
 
     namespace = {"__name__": "labkit_submission"}
     try:
-        exec(compile(to_python(source), f"<exercise {exercise}>", "exec"), namespace)  # noqa: S102
+        code = to_python(source)
+        if "get_ipython()" in code:  # a magic (%time, %%writefile): run it as IPython would
+            from IPython.core.interactiveshell import InteractiveShell
+
+            namespace["get_ipython"] = InteractiveShell.instance
+        exec(compile(code, f"<exercise {exercise}>", "exec"), namespace)  # noqa: S102
     except BaseException as exc:  # noqa: BLE001 - the cell itself fails: every test fails with this reason
         return {"error": f"the exercise cell raised {type(exc).__name__}: {str(exc)[:200]}"}
     fn = namespace.get(exercise)
@@ -128,7 +134,7 @@ def _run_variant(exercise: str, source: str, cases) -> dict:
         return {"error": f"the exercise cell defines no function {exercise}(); restore its `def {exercise}(...)`"}
     results = run_cases(fn, cases)
     return {"results": [{"name": r.case.name, "hidden": r.case.hidden, "points": r.case.points,
-                         "status": r.status, "message": "" if r.case.hidden else r.message[:500]}
+                         "status": r.status, "message": "" if r.case.hidden and not reveal else r.message[:500]}
                         for r in results]}
 
 
@@ -152,7 +158,7 @@ def main(argv: list[str]) -> int:
 
     cases = [c for t in job["tests"] for c in load_cases_from_text(t["text"], t["file"], hidden=t["hidden"])
              if c.exercise == job["exercise"]]
-    variants = [_run_variant(job["exercise"], src, cases) for src in job["sources"]]
+    variants = [_run_variant(job["exercise"], src, cases, bool(job.get("reveal"))) for src in job["sources"]]
     sys.stdout.flush()
     with os.fdopen(args.report_fd, "w", closefd=False) as out:
         out.write(json.dumps({"variants": variants}))
