@@ -3,6 +3,7 @@ here, on CPU, by torch.profiler around two steps of a small model) and fixing an
 import functools
 import json
 import tempfile
+import warnings
 from pathlib import Path
 
 from labkit.course.exercises import case
@@ -18,8 +19,7 @@ def _profiled():
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     opt = torch.optim.AdamW(model.parameters())
     x, t = torch.randn(32, 64), torch.randint(0, 10, (32,))
-    with tempfile.TemporaryDirectory() as tmp, profile(activities=[ProfilerActivity.CPU], profile_memory=True,
-                                                        record_shapes=True, with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         for i in range(2):
             with record_function(f"ProfilerStep#{i}"):
                 torch.nn.functional.cross_entropy(model(x), t).backward()
@@ -27,7 +27,9 @@ def _profiled():
                 opt.zero_grad()
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(str(Path(tmp) / "trace.json"))
-        prof.export_memory_timeline(str(Path(tmp) / "timeline.json"), device="cpu")
+        with warnings.catch_warnings():  # deprecated for CUDA in favour of the snapshot; still the CPU tool
+            warnings.simplefilter("ignore", FutureWarning)
+            prof.export_memory_timeline(str(Path(tmp) / "timeline.json"), device="cpu")
         return (json.loads((Path(tmp) / "trace.json").read_text()),
                 json.loads((Path(tmp) / "timeline.json").read_text()))
 
