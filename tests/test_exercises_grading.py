@@ -78,7 +78,7 @@ def graded(tmp_path_factory):
         (root / "subs" / student).mkdir(parents=True)
         nbformat.write(nb, str(root / "subs" / student / f"{NB}.ipynb"))
     registry.register(NB, (relation("always", 1, lambda ev: True),))
-    opts = GradeOptions(autograder=str(root / "ag"), exercise_timeout_s=8.0)
+    opts = GradeOptions(autograder=str(root / "ag"), exercise_timeout_s=8.0, workers=2)
     result = run_batch(root / "subs", root / "out", opts)
     yield root, {r.student: r for r in result.rows}
     registry.unregister(NB)
@@ -126,3 +126,28 @@ def test_check_lists_what_to_do_and_exits_1_then_0_when_done(tmp_path):
         assert "PASS  double: 1/1 tests pass" in out.output and "SECRET" not in out.output
     finally:
         registry.unregister(NB)
+
+
+RANK_TEST = '''
+from labkit.course.exercises import case, spawn
+
+def _rank(rank, world, average):
+    import torch
+    return average(torch.tensor([float(rank)])).item()
+
+@case("average")
+def two_ranks(average):
+    assert spawn(_rank, world=2, args=(average,), timeout=60) == [0.5, 0.5]
+'''
+
+
+def test_multi_rank_code_runs_inside_the_grading_sandbox():
+    """spawn's gloo ranks rendezvous on the sandbox's loopback (own network namespace) under its memory cap."""
+    from labkit.course.exercises.runner import OK, run_exercise
+    from labkit.grading.isolation import detect
+
+    cell = "import torch.distributed as dist\n\ndef average(t):\n    dist.all_reduce(t)\n    return t / dist.get_world_size()\n"
+    run = run_exercise("average", [cell], [{"file": "t.py", "text": RANK_TEST, "hidden": True}], timeout_s=120,
+                       memory_bytes=8 * 2**30, output_bytes=2**20, isolation=detect())
+    assert run.status == OK, run.reason
+    assert run.variants[0]["results"][0]["status"] == "pass"

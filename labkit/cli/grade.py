@@ -38,7 +38,7 @@ def _progress(row: Grade) -> None:
 @click.option("--kernel", default="labkit", show_default=True, help="Jupyter kernel for --execute.")
 @click.option("--scratch-mib", type=float, default=512.0, show_default=True,
               help="Size of each execution's private scratch tmpfs (--execute).")
-@click.option("--autograder", type=click.Path(), default=None,
+@click.option("--autograder", type=click.Path(exists=True, file_okay=False), default=None,
               help="Hidden tests of the code exercises (`labkit assign`'s OUT/autograder; default: the source "
                    "tree's notebooks/tests/hidden when present).")
 @click.option("--exercise-timeout", type=float, default=300.0, show_default=True,

@@ -93,18 +93,8 @@ def _max_score(notebook: str, opts: GradeOptions | None = None) -> float:
         return code
 
 
-def autograder_dir(opts: GradeOptions) -> Path | None:
-    """The hidden tests' folder: --autograder, else the source tree's notebooks/tests/hidden (if present)."""
-    if opts.autograder is not None:
-        return Path(opts.autograder)
-    default = exercise_grading.source_tests_dir() / "hidden"
-    return default if default.is_dir() else None
-
-
 def code_plan(notebook: str, opts: GradeOptions) -> exercise_grading.Plan:
-    hidden = autograder_dir(opts)
-    visible = exercise_grading.visible_dir_of(hidden) if hidden else exercise_grading.source_tests_dir()
-    return exercise_grading.plan_for(notebook, visible, hidden)
+    return exercise_grading.plan_for_autograder(notebook, opts.autograder)
 
 
 def _with_code(grade: Grade, nb, sub: Submission, opts: GradeOptions, out_dir: Path, box: Sandboxing | None) -> Grade:
@@ -113,7 +103,7 @@ def _with_code(grade: Grade, nb, sub: Submission, opts: GradeOptions, out_dir: P
     if not plan.exercises:
         return grade
     box = box or Sandboxing(isolation_for(opts))
-    hidden = autograder_dir(opts)
+    hidden = exercise_grading.autograder_dir(opts.autograder)
     grades = exercise_grading.grade_exercises(
         nb, sub.notebook, plan, timeout_s=opts.exercise_timeout_s, memory_bytes=opts.limits.memory_bytes,
         output_bytes=opts.limits.output_bytes, isolation=box.isolation, kernel=opts.kernel,

@@ -33,6 +33,20 @@ def visible_dir_of(autograder: Path) -> Path:
     return autograder / "visible" if (autograder / "visible").is_dir() else autograder.parent
 
 
+def autograder_dir(autograder: str | Path | None) -> Path | None:
+    """The hidden tests' folder: `autograder` if given, else the source tree's notebooks/tests/hidden (if any)."""
+    if autograder is not None:
+        return Path(autograder)
+    default = source_tests_dir() / "hidden"
+    return default if default.is_dir() else None
+
+
+def plan_for_autograder(notebook: str, autograder: str | Path | None) -> "Plan":
+    """The visible + hidden test files of `notebook` for `labkit grade --autograder`."""
+    hidden = autograder_dir(autograder)
+    return plan_for(notebook, visible_dir_of(hidden) if hidden else source_tests_dir(), hidden)
+
+
 @dataclass(frozen=True)
 class ExerciseGrade:
     exercise: str
