@@ -32,6 +32,7 @@ from torch import nn
 
 from labkit.errors import ConfigError, choices_error
 from labkit.parallel import loading
+from labkit.parallel.dims import DP_DIMS, ParallelDims
 from labkit.parallel.single import Strategy
 from labkit.train.metrics import ResidentBytes, tensor_bytes
 
@@ -74,25 +75,22 @@ VARIANTS = {
 
 
 # ------------------------------------------------------------------------------------------ topology
+#: plan.mesh -> (the ParallelDims preset, the mesh dims FSDP2 gets). 2-D meshes are (replicate, shard):
+#: FSDP2 shards over the last dim and replicates over the first (HSDP); NO_SHARD is (world, 1).
+MESH_DIMS = {"shard": ("fsdp", ("dp_shard",)), "replicate": ("fsdp-no-shard", DP_DIMS),
+             "hybrid": ("fsdp-hybrid", DP_DIMS)}
+
+
 def mesh_shape(plan: FsdpPlan, world_size: int, nnodes: int = 1) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """(shape, dim names) of the data-parallel mesh. 2-D meshes are (replicate, shard): FSDP2 shards
-    over the last dim and replicates over the first (HSDP)."""
-    if plan.mesh == "shard":
-        return (world_size,), ("dp_shard",)
-    if plan.mesh == "replicate":
-        return (world_size, 1), ("dp_replicate", "dp_shard")
-    if world_size % nnodes:
-        raise ConfigError(f"fsdp-hybrid: {world_size} ranks do not split into {nnodes} nodes; "
-                          "use the same --nproc on every node")
-    return (nnodes, world_size // nnodes), ("dp_replicate", "dp_shard")
+    """(shape, dim names) of the data-parallel mesh of `plan` on `world_size` ranks (labkit.parallel.dims)."""
+    preset, names = MESH_DIMS[plan.mesh]
+    return ParallelDims.from_world(preset, world_size, nnodes=nnodes).mesh_shape(names)
 
 
 def build_mesh(plan: FsdpPlan, device: torch.device, world_size: int, nnodes: int = 1):
     """The DeviceMesh over the job's ranks (built from the world group torchrun set up, no global of ours)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    shape, names = mesh_shape(plan, world_size, nnodes)
-    return init_device_mesh(device.type, shape, mesh_dim_names=names)
+    preset, names = MESH_DIMS[plan.mesh]
+    return ParallelDims.from_world(preset, world_size, nnodes=nnodes).build_mesh(device.type, names)
 
 
 # ------------------------------------------------------------------------------------------ wrapping
@@ -236,7 +234,7 @@ class FSDPStrategy(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         full = loading.full_state_on_rank0(model, self.ctx.rank)
-        self.mesh = build_mesh(self.plan, self.ctx.device, self.ctx.world_size, self.cfg.nnodes)
+        self.mesh = self.dims.build_mesh(self.ctx.device.type, MESH_DIMS[self.plan.mesh][1])
         units = wrap_units(model, self.plan.wrap, self.plan.min_num_params)
         self.units = unit_sizes(model, units)
         apply_fsdp(model, self.mesh, cfg=self.cfg, plan=self.plan)
@@ -281,7 +279,7 @@ class FSDPStrategy(Strategy):
         return ResidentBytes(max(rest[0], held[0]), grads[0], optim[0], rest[1] + grads[1] + optim[1])
 
     def record_extra(self) -> dict:
-        shape, names = mesh_shape(self.plan, self.ctx.world_size, self.cfg.nnodes)
+        shape, names = self.dims.mesh_shape(MESH_DIMS[self.plan.mesh][1])
         full_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         mp = mp_policy_for(self.cfg.amp)
         name = lambda dtype: str(dtype or torch.float32).removeprefix("torch.")  # noqa: E731

@@ -438,8 +438,9 @@ def _apply_fsdp(model: nn.Module, ctx, cfg) -> nn.Module:
     """FSDP2 over a LoRA model (labkit.parallel.fsdp): one unit per decoder layer, frozen base weights and
     trainable adapters sharded together (FSDP2 shards per parameter, so mixed requires_grad is fine)."""
     from labkit.parallel import fsdp
+    from labkit.parallel.dims import ParallelDims
 
-    mesh = fsdp.build_mesh(fsdp.VARIANTS["fsdp"], ctx.device, ctx.world_size, cfg.nnodes)
+    mesh = ParallelDims.from_world("fsdp", ctx.world_size).build_mesh(ctx.device.type)  # 1-D: dp_shard = world
     return fsdp.apply_fsdp(model, mesh, cfg=cfg)
 
 

@@ -201,17 +201,12 @@ class PipelineStrategy(Strategy):
     """
 
     def __init__(self, name, ctx, cfg, task):
-        super().__init__(name, ctx, cfg, task)
-        self.dp_rank, self.dp_size = 0, 1
+        super().__init__(name, ctx, cfg, task)  # dims: pp = world, so dp_rank 0, dp_size 1
         self.schedule_name = SCHEDULES[name]
         self.microbatches = microbatches_for(cfg, ctx.world_size)
         self.pipe_stage = self.schedule = self.trace = None
         self.full_params = self.embed_params = 0
         self.gathered: list[list[list[tuple]]] = []
-
-    @classmethod
-    def dp_size_for(cls, cfg, world_size: int) -> int:
-        return 1
 
     @classmethod
     def check(cls, cfg, world_size: int) -> None:

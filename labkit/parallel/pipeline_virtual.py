@@ -126,7 +126,6 @@ class VirtualPipelineStrategy(PipelineStrategy):
 
     def __init__(self, name, ctx, cfg, task):
         super(PipelineStrategy, self).__init__(name, ctx, cfg, task)  # PipelineStrategy's, minus its schedule table
-        self.dp_rank, self.dp_size = 0, 1
         self.schedule_name, self.style = SCHEDULES[name]
         from labkit.parallel.pipeline import microbatches_for
         self.microbatches = microbatches_for(cfg, ctx.world_size)

@@ -129,7 +129,7 @@ class FsdpQLoraStrategy(QLoraStrategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         self.counts = logical_counts(model)
         self.counts["packed_4bit_full_bytes"] = packed_bytes(model)
-        self.mesh = fsdp.build_mesh(self.plan, self.ctx.device, self.ctx.world_size, self.cfg.nnodes)
+        self.mesh = self.dims.build_mesh(self.ctx.device.type, fsdp.MESH_DIMS[self.plan.mesh][1])
         return apply_fsdp_qlora(model, self.mesh, cfg=dataclasses.replace(self.cfg, amp=self.amp),
                                 offload=self.plan.offload)
 
@@ -147,7 +147,7 @@ class FsdpQLoraStrategy(QLoraStrategy):
 
     def record_extra(self) -> dict:
         settings = LoraSettings.of(self.cfg)
-        shape, names = fsdp.mesh_shape(self.plan, self.ctx.world_size, self.cfg.nnodes)
+        shape, names = self.dims.mesh_shape(fsdp.MESH_DIMS[self.plan.mesh][1])
         facts = {"lora_rank": settings.rank, "lora_alpha": settings.alpha, "lora_targets": settings.targets,
                  "trainable_fraction": self.counts["trainable"] / self.counts["total"],
                  "total_params": self.counts["total"], "quant_type": "nf4", "double_quant": True,
