@@ -110,7 +110,7 @@ def memory_config(cfg):
     """The `labkit.memory.estimate.MemoryConfig` of a resolved TrainConfig (bytes per GPU)."""
     from labkit import parallel
     from labkit.memory.estimate import MemoryConfig
-    from labkit.parallel.zero import ESTIMATE_FIELDS
+    from labkit.parallel.studies import ESTIMATE_FIELDS
 
     dims = parallel.strategy_class(cfg.strategy).dims_for(cfg, cfg.world_size)
     dp = dims.dp_size

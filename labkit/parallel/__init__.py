@@ -77,7 +77,7 @@ STRATEGIES = MappingProxyType({
     "ddp": ("ddp", "training harness"),
     **{n: ("fsdp", "sharding") for n in ("fsdp", "fsdp-grad-op", "fsdp-no-shard", "fsdp-hybrid", "fsdp-offload")},
     **{n: ("zero", "sharding") for n in ("zero1", "zero2", "zero3", "zero3-offload")},
-    **{n: ("peft", "PEFT") for n in ("lora", "qlora")},
+    "lora": ("peft", "PEFT"), "qlora": ("qlora", "PEFT"),
     **{n: ("pipeline", "model-parallel") for n in ("pipeline-gpipe", "pipeline-1f1b")},
     **{n: ("pipeline_virtual", "beyond 3-D") for n in ("pipeline-interleaved", "pipeline-zero-bubble")},
     **{n: ("tensor", "model-parallel") for n in ("tensor", "tensor-fsdp")},

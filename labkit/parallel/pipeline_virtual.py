@@ -25,7 +25,8 @@ import contextlib
 from torch import nn
 
 from labkit.errors import ConfigError
-from labkit.parallel.pipeline import LlamaStage, PipelineStrategy, ScheduleTrace, schedule_facts, split_layers
+from labkit.parallel.pipeline import LlamaStage, PipelineStrategy, split_layers
+from labkit.parallel.pipeline_trace import ScheduleTrace, schedule_facts
 
 #: strategy name -> (torch schedule class name, stage-to-rank style)
 SCHEDULES = {"pipeline-interleaved": ("ScheduleInterleaved1F1B", "loop"),

@@ -43,6 +43,49 @@ from labkit.parallel.single import Strategy
 _HEAD_ATTRS = ("num_heads", "num_key_value_heads", "num_attention_heads")
 
 
+def apply_tensor(model: nn.Module, mesh, *, cfg=None, sequence_parallel: bool | None = None) -> nn.Module:
+    """Megatron-style TP of an HF Llama causal LM over the 1-D device mesh `mesh` (in place).
+
+    `sequence_parallel` defaults to `cfg.sequence_parallel` when the config has that field, else False.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if sequence_parallel is None:
+        sequence_parallel = bool(getattr(cfg, "sequence_parallel", False))
+    tp = mesh.size()
+    check_divisible(model.config, tp)
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, layer_plan(sequence_parallel))
+        for attr in _HEAD_ATTRS:  # only where a module keeps a head count (not HF Llama 5.x)
+            if isinstance(getattr(layer.self_attn, attr, None), int):
+                setattr(layer.self_attn, attr, getattr(layer.self_attn, attr) // tp)
+    parallelize_module(model, mesh, root_plan(sequence_parallel))
+    model.labkit_tp = {"tp": tp, "sequence_parallel": sequence_parallel}
+    return model
+
+
+def apply_tensor_fsdp(model: nn.Module, mesh, *, cfg=None, sequence_parallel: bool | None = None,
+                      levers=None) -> nn.Module:
+    """2-D: TP over mesh['tp'], then (optional `levers(model)`, e.g. checkpointing) FSDP2 over mesh['dp'].
+
+    Each decoder layer is one FSDP unit, then the root; parameters become 2-D DTensors sharded by
+    heads/width over tp and by dim 0 over dp.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    apply_tensor(model, mesh["tp"], cfg=cfg, sequence_parallel=sequence_parallel)
+    if levers is not None:
+        model = levers(model)
+    amp = getattr(cfg, "amp", "none")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if amp == "bf16" else None
+    dp = next(n for n in mesh.mesh_dim_names if n != "tp")  # 'dp_shard' (ParallelDims) or 'dp'
+    kwargs = {"mesh": mesh[dp], **({"mp_policy": mp} if mp else {})}
+    for layer in model.model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
 def _styles():
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -96,49 +139,6 @@ def check_divisible(config, tp: int) -> None:
 
 def _largest_divisor(n: int, below: int) -> int:
     return max(d for d in range(1, below + 1) if n % d == 0)
-
-
-def apply_tensor(model: nn.Module, mesh, *, cfg=None, sequence_parallel: bool | None = None) -> nn.Module:
-    """Megatron-style TP of an HF Llama causal LM over the 1-D device mesh `mesh` (in place).
-
-    `sequence_parallel` defaults to `cfg.sequence_parallel` when the config has that field, else False.
-    """
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    if sequence_parallel is None:
-        sequence_parallel = bool(getattr(cfg, "sequence_parallel", False))
-    tp = mesh.size()
-    check_divisible(model.config, tp)
-    for layer in model.model.layers:
-        parallelize_module(layer, mesh, layer_plan(sequence_parallel))
-        for attr in _HEAD_ATTRS:  # only where a module keeps a head count (not HF Llama 5.x)
-            if isinstance(getattr(layer.self_attn, attr, None), int):
-                setattr(layer.self_attn, attr, getattr(layer.self_attn, attr) // tp)
-    parallelize_module(model, mesh, root_plan(sequence_parallel))
-    model.labkit_tp = {"tp": tp, "sequence_parallel": sequence_parallel}
-    return model
-
-
-def apply_tensor_fsdp(model: nn.Module, mesh, *, cfg=None, sequence_parallel: bool | None = None,
-                      levers=None) -> nn.Module:
-    """2-D: TP over mesh['tp'], then (optional `levers(model)`, e.g. checkpointing) FSDP2 over mesh['dp'].
-
-    Each decoder layer is one FSDP unit, then the root; parameters become 2-D DTensors sharded by
-    heads/width over tp and by dim 0 over dp.
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    apply_tensor(model, mesh["tp"], cfg=cfg, sequence_parallel=sequence_parallel)
-    if levers is not None:
-        model = levers(model)
-    amp = getattr(cfg, "amp", "none")
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if amp == "bf16" else None
-    dp = next(n for n in mesh.mesh_dim_names if n != "tp")  # 'dp_shard' (ParallelDims) or 'dp'
-    kwargs = {"mesh": mesh[dp], **({"mp_policy": mp} if mp else {})}
-    for layer in model.model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
 
 
 # ------------------------------------------------------------------------------ the design, checked
