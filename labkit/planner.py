@@ -147,7 +147,8 @@ def layout_dims(dp: int, tp: int, pp: int, zero: int = 0, *, cp: int = 1, ep: in
 
 def check_layout(req: PlanRequest, dp: int, tp: int, pp: int, zero: int = 0, *, cp: int = 1, ep: int = 1) -> None:
     """ConfigError naming why (dp, tp, pp, zero, cp, ep) cannot run `req`; returns None when it can."""
-    layout_dims(dp, tp, pp, zero, cp=cp).check_world(req.gpus, label="gpus")  # "tp(8) * pp(8) * dp(8) = 512 != gpus(64)"
+    # "tp(8) * pp(8) * dp(8) = 512 != gpus(64)"
+    layout_dims(dp, tp, pp, zero, cp=cp).check_world(req.gpus, label="gpus")
     arch = _arch(req.model)
     if req.seq % cp:
         raise ConfigError(f"cp={cp} does not split seq={req.seq} into equal chunks; use a cp that divides it")

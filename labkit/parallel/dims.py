@@ -33,7 +33,8 @@ class ParallelDims:
     """Degrees of each parallelism dimension. Build one with `from_world(name, world)` or directly."""
 
     dp_replicate: int = 1
-    """Data-parallel replicas: a full copy of the (sharded) model each, gradients all-reduced (DDP, HSDP's outer dim)."""
+    """Data-parallel replicas: a full copy of the (sharded) model each, gradients all-reduced (DDP; HSDP's
+    outer dim)."""
     dp_shard: int = 1
     """Data-parallel ranks that shard parameters, gradients and optimizer states (FSDP / ZeRO)."""
     tp: int = 1
@@ -76,8 +77,10 @@ class ParallelDims:
             return self
         cp = f" * cp({self.cp})" if self.cp > 1 else ""
         model = self.model_parallel
-        hint = (f"; e.g. dp={world // model} with tp={self.tp}, pp={self.pp}" + (f", cp={self.cp}" if self.cp > 1 else "")
-                if world % model == 0 else f"; tp*pp{'*cp' if self.cp > 1 else ''}={model} does not divide {world}")
+        if world % model == 0:
+            hint = f"; e.g. dp={world // model} with tp={self.tp}, pp={self.pp}" + (f", cp={self.cp}" if cp else "")
+        else:
+            hint = f"; tp*pp{'*cp' if cp else ''}={model} does not divide {world}"
         raise ConfigError(f"tp({self.tp}) * pp({self.pp}){cp} * dp({self.dp_size}) = {self.world_size} != "
                           f"{label}({world}): the degrees must multiply to the GPU count{hint}")
 

@@ -27,8 +27,6 @@ from labkit.errors import ConfigError
 from labkit.parallel.pipeline_trace import ScheduleTrace, schedule_facts
 from labkit.parallel.single import Strategy
 
-SCHEDULES = {"pipeline-gpipe": "gpipe", "pipeline-1f1b": "1f1b"}
-
 
 def apply_pipeline(model: nn.Module, group, *, cfg=None, stage: int | None = None,
                    num_stages: int | None = None) -> LlamaStage:
@@ -44,8 +42,13 @@ def apply_pipeline(model: nn.Module, group, *, cfg=None, stage: int | None = Non
         raise ConfigError("this model ties its LM head to the embedding, which pipeline stages 0 and "
                           f"{num_stages - 1} would both need; use an untied preset (tiny-llama, llama2-7b) "
                           "or --strategy tensor")
+    # Stage s keeps layers split_layers(L, p)[s] (~L/p of them): (B, T) ids -> stage 0 -> (B, T, H) -> ...
+    # -> last stage -> (B, T, V) logits; only activations of one micro-batch cross each boundary.
     layers = split_layers(model.config.num_hidden_layers, num_stages)[stage]
     return LlamaStage(model, layers, first=stage == 0, last=stage == num_stages - 1)
+
+
+SCHEDULES = {"pipeline-gpipe": "gpipe", "pipeline-1f1b": "1f1b"}
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:

@@ -1,5 +1,5 @@
 """Measurement and orchestration around the strategies: several runs in one launch, the FSDP wrap
-study, measured vs estimated model-state bytes, and optimizer-state bytes of low-bit optimizers.
+study, measured vs estimated model-state bytes, and the optimizer-state bytes of low-bit optimizers.
 
 The strategy modules (`fsdp.py`, `zero.py`, `pipeline.py`, `stack.py`, ...) hold what a strategy IS:
 `apply_<x>` and its hook. What a notebook does WITH them -- train several in one torchrun job, compare
@@ -19,7 +19,7 @@ from labkit.parallel import fsdp
 from labkit.train.metrics import tensor_bytes
 
 
-# ------------------------------------------------------------------------------------------ FSDP sweeps and the wrap study
+# ------------------------------------------------------------------------ FSDP sweeps and the wrap study
 def sweep(runs: list, model: str, *, nproc: int = 2, out: str = "runs", stream: bool = True,
           timeout_s: float | None = None, wrap_policies: dict | None = None, **options) -> list:
     """Train each run in turn inside ONE torchrun job; returns their RunRecords, in order.
