@@ -66,7 +66,8 @@ def apply_tensor(model: nn.Module, mesh, *, cfg=None, sequence_parallel: bool | 
 
 def apply_tensor_fsdp(model: nn.Module, mesh, *, cfg=None, sequence_parallel: bool | None = None,
                       levers=None) -> nn.Module:
-    """2-D: TP over mesh['tp'], then (optional `levers(model)`, e.g. checkpointing) FSDP2 over mesh['dp'].
+    """2-D: TP over mesh['tp'], then (optional `levers(model)`, e.g. checkpointing) FSDP2 over the other
+    dim ('dp_shard' of `ParallelDims.build_mesh`, or 'dp').
 
     Each decoder layer is one FSDP unit, then the root; parameters become 2-D DTensors sharded by
     heads/width over tp and by dim 0 over dp.
