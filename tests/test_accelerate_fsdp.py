@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from labkit.errors import ConfigError
+from labkit.parallel import accelerate_config as acc_cfg
 from labkit.parallel import accelerate_fsdp as acc
 from test_sharding_memory import sweep_records
 
@@ -14,13 +15,13 @@ from test_sharding_memory import sweep_records
     ("fsdp", "FULL_SHARD", False), ("fsdp-grad-op", "SHARD_GRAD_OP", False), ("fsdp-no-shard", "NO_SHARD", False),
     ("fsdp-hybrid", "HYBRID_SHARD", False), ("fsdp-offload", "FULL_SHARD", True)])
 def test_strategies_map_to_fsdp1_sharding(strategy, sharding, offload):
-    c = acc.for_strategy(strategy, "a100x4")
+    c = acc_cfg.for_strategy(strategy, "a100x4")
     assert (c.sharding_strategy, c.offload_params, c.num_processes, c.mixed_precision) == (sharding, offload, 4, "bf16")
     assert c.cpu_ram_efficient_loading and c.sync_module_states  # GPU: rank-0 loading
 
 
 def test_yaml_has_the_keys_people_meet_at_work(tmp_path):
-    path = acc.write_config(acc.for_strategy("fsdp", "a100x4"), tmp_path, "fsdp")
+    path = acc_cfg.write_config(acc_cfg.for_strategy("fsdp", "a100x4"), tmp_path, "fsdp")
     text = path.read_text()
     data = yaml.safe_load(text)
     fsdp = data["fsdp_config"]
@@ -31,7 +32,7 @@ def test_yaml_has_the_keys_people_meet_at_work(tmp_path):
     assert fsdp["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
     for key in ("fsdp_offload_params", "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states"):
         assert fsdp[key] is (key != "fsdp_offload_params")
-    size = acc.config_dict(acc.for_strategy("fsdp", "a100x4", auto_wrap_policy="SIZE_BASED_WRAP",
+    size = acc_cfg.config_dict(acc_cfg.for_strategy("fsdp", "a100x4", auto_wrap_policy="SIZE_BASED_WRAP",
                                             min_num_params=1_000_000))["fsdp_config"]
     assert size["fsdp_min_num_params"] == 1_000_000 and "fsdp_transformer_layer_cls_to_wrap" not in size
 
@@ -39,9 +40,9 @@ def test_yaml_has_the_keys_people_meet_at_work(tmp_path):
 @pytest.mark.parametrize("profile", ["a100x4", "v100x4", "smoke"])
 def test_accelerate_builds_the_plugin_each_config_asks_for(profile, tmp_path):
     # accelerate's own `launch` parsing and FullyShardedDataParallelPlugin, as the ranks would see them.
-    for strategy in acc.STRATEGY_MAP:
-        assert acc.plugin_problems(strategy, profile, tmp_path) == []
-    got = acc.resolve_plugin(acc.write_config(acc.for_strategy("fsdp-grad-op", profile), tmp_path, "g"))
+    for strategy in acc_cfg.STRATEGY_MAP:
+        assert acc_cfg.plugin_problems(strategy, profile, tmp_path) == []
+    got = acc_cfg.resolve_plugin(acc_cfg.write_config(acc_cfg.for_strategy("fsdp-grad-op", profile), tmp_path, "g"))
     assert got["sharding_strategy"] == "SHARD_GRAD_OP"
     assert got["mixed_precision"] == {"a100x4": "bf16", "v100x4": "fp16", "smoke": "no"}[profile]
 
@@ -49,25 +50,25 @@ def test_accelerate_builds_the_plugin_each_config_asks_for(profile, tmp_path):
 def test_only_the_new_key_would_silently_run_full_shard(tmp_path):
     # The bug this module had: fsdp_reshard_after_forward alone loses to `accelerate launch`'s
     # default --fsdp_sharding_strategy FULL_SHARD, so SHARD_GRAD_OP / NO_SHARD never ran.
-    data = acc.config_dict(acc.for_strategy("fsdp-grad-op", "a100x4"))
+    data = acc_cfg.config_dict(acc_cfg.for_strategy("fsdp-grad-op", "a100x4"))
     del data["fsdp_config"]["fsdp_sharding_strategy"]
     path = tmp_path / "old.yaml"
     path.write_text(yaml.safe_dump(data))
-    assert acc.resolve_plugin(path)["sharding_strategy"] == "FULL_SHARD"
+    assert acc_cfg.resolve_plugin(path)["sharding_strategy"] == "FULL_SHARD"
 
 
 def test_cpu_profile_cannot_sync_module_states():
-    c = acc.for_strategy("fsdp", "smoke")
+    c = acc_cfg.for_strategy("fsdp", "smoke")
     assert (c.sync_module_states, c.cpu_ram_efficient_loading, c.mixed_precision) == (False, False, "no")
 
 
 def test_bad_values_name_the_fix():
     with pytest.raises(ConfigError, match="'ZERO3'.*FULL_SHARD"):
-        acc.AccelerateFsdpConfig(sharding_strategy="ZERO3")
+        acc_cfg.AccelerateFsdpConfig(sharding_strategy="ZERO3")
     with pytest.raises(ConfigError, match="needs sync_module_states=True"):
-        acc.AccelerateFsdpConfig(cpu_ram_efficient_loading=True, sync_module_states=False)
+        acc_cfg.AccelerateFsdpConfig(cpu_ram_efficient_loading=True, sync_module_states=False)
     with pytest.raises(ConfigError, match="'zero2'"):
-        acc.for_strategy("zero2")
+        acc_cfg.for_strategy("zero2")
 
 
 def test_launch_command_and_env(tmp_path):

@@ -275,7 +275,7 @@ def test_cuda_clock_reads_events_once_at_the_end_on_the_origins_clock(fake_cuda,
 def test_schedule_trace_records_chunks_through_the_clock():
     from types import SimpleNamespace
 
-    from labkit.parallel.pipeline import ScheduleTrace
+    from labkit.parallel.pipeline_trace import ScheduleTrace
 
     calls = []
     stage = SimpleNamespace(submod=nn.Linear(2, 2), device=torch.device("cpu"),

@@ -22,7 +22,7 @@ def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("many")
     records = run_many(["ddp", ("fsdp", {"seed": 0})], "tiny-llama", nproc=2, out=str(out), steps=STEPS,
                        progress=False, stream=False,
-                       before=("labkit.parallel.fsdp:wrap_study_rank",
+                       before=("labkit.parallel.studies:wrap_study_rank",
                                {"policies": {"root": {"wrap": "root"}}, "out": str(out / "hook.json")}))
     return out, records
 

@@ -11,6 +11,7 @@ from labkit.errors import ConfigError
 from labkit.memory.estimate import MemoryConfig, estimate
 from labkit.models import build_llm, llm_config
 from labkit.parallel import peft as lk_peft
+from labkit.parallel import qlora as lk_qlora
 from labkit.parallel.peft import LoraSettings
 
 QV = LoraSettings(rank=8, alpha=16.0, targets="q,v")
@@ -131,7 +132,7 @@ def qlora_tiny(tmp_path_factory):
     from labkit.models import save_llm
 
     path = save_llm("tiny-llama", tmp_path_factory.mktemp("tiny") / "ckpt")
-    return lk_peft.apply_qlora(lk_peft.load_4bit(path), cfg=QV)
+    return lk_qlora.apply_qlora(lk_qlora.load_4bit(path), cfg=QV)
 
 
 def test_qlora_loads_nf4_with_double_quantization_through_from_pretrained(qlora_tiny):
@@ -145,7 +146,7 @@ def test_qlora_loads_nf4_with_double_quantization_through_from_pretrained(qlora_
 
 
 def test_qlora_weight_bytes_count_the_packed_storage_and_every_constant(qlora_tiny):
-    wb = lk_peft.weight_bytes(qlora_tiny)
+    wb = lk_qlora.weight_bytes(qlora_tiny)
     sizes = [64 * 64, 64 * 32, 64 * 32, 64 * 64, 64 * 128, 64 * 128, 128 * 64] * 2  # q,k,v,o,gate,up,down
     assert wb["packed_4bit"] == sum(sizes) // 2  # two 4-bit weights per byte
     # per linear: uint8 absmax per 64-block, NF4 code (16 fp32), offset, and the nested state's fp32
@@ -158,8 +159,8 @@ def test_qlora_weight_bytes_count_the_packed_storage_and_every_constant(qlora_ti
 
 
 def test_qlora_resident_weights_at_most_035x_bf16_for_a_llama_shaped_model(tmp_path):
-    model = lk_peft.apply_qlora(lk_peft.load_4bit(_save_llama_shaped(tmp_path / "m")), cfg=QV)
-    wb = lk_peft.weight_bytes(model)
+    model = lk_qlora.apply_qlora(lk_qlora.load_4bit(_save_llama_shaped(tmp_path / "m")), cfg=QV)
+    wb = lk_qlora.weight_bytes(model)
     assert wb["total"] <= 0.35 * wb["bf16_equivalent"]
     est = estimate(MemoryConfig(model=str(tmp_path / "m"), lora_rank=8, quant="nf4-dq"))
     # the estimator counts norms and adapters at 2 B; we keep them in fp32 (prepare_model_for_kbit_training)
@@ -168,7 +169,7 @@ def test_qlora_resident_weights_at_most_035x_bf16_for_a_llama_shaped_model(tmp_p
 
 def test_apply_qlora_refuses_a_model_that_is_not_4bit():
     with pytest.raises(ConfigError, match="load_4bit"):
-        lk_peft.apply_qlora(build_llm("tiny-llama"), cfg=QV)
+        lk_qlora.apply_qlora(build_llm("tiny-llama"), cfg=QV)
 
 
 # ---------------------------------------------------------------------------- through `labkit train`
@@ -245,7 +246,7 @@ def test_qlora_trains_from_a_saved_checkpoint_and_reports_its_quantization(tmp_p
     assert rec.param_bytes[0] == extra["weight_bytes"]["total"]
     assert extra["weight_bytes"]["packed_4bit"] == 73_728 // 2
     assert rec.trainable_params == 3584
-    reloaded = lk_peft.load_adapter(lk_peft.load_4bit(tmp_path / "base" / "tiny-llama-seed0"), extra["adapter_path"])
+    reloaded = lk_peft.load_adapter(lk_qlora.load_4bit(tmp_path / "base" / "tiny-llama-seed0"), extra["adapter_path"])
     assert any(torch.count_nonzero(p) for n, p in reloaded.named_parameters() if "lora_B" in n)
 
 

@@ -17,6 +17,7 @@ from _reference import BATCH, LR, SEQ, spawn_two_ranks, token_batches
 from _reference import reference_losses as _reference_losses
 from labkit.errors import ConfigError
 from labkit.parallel import pipeline as P
+from labkit.parallel.pipeline_trace import ScheduleTrace
 from labkit.viz.pipeline_schedule import events_of, max_in_flight, measured_bubble, replay, text_schedule
 
 STEPS, M = 3, 4
@@ -39,7 +40,7 @@ def _train(schedule: str) -> dict:
     stage = P.apply_pipeline(build_llm("tiny-llama", seed=0), group)
     pipe, sched = P.build_schedule(stage, group, schedule=schedule, microbatches=M, device=torch.device("cpu"),
                                    loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, -2), y.flatten()) / M)
-    trace = P.ScheduleTrace(pipe)
+    trace = ScheduleTrace(pipe)
     opt = torch.optim.AdamW(stage.parameters(), lr=LR, weight_decay=0.0)
     losses = []
     for x, y in batches():

@@ -42,7 +42,7 @@ def test_config_checks_name_the_fix():
 
 @pytest.mark.slow
 def test_both_schedules_match_single_through_the_training_loop(tmp_path):
-    from labkit.parallel.pipeline import run_together
+    from labkit.parallel.studies import run_together
     from labkit.viz.pipeline_schedule import plot_schedule, trace_of
     from labkit.train import run
 

@@ -1,7 +1,7 @@
 """Sharding on 2 gloo ranks, fp32: losses equal DDP's, per-rank bytes fall by stage, estimates agree.
 
 All runs of this file, tests/test_fsdp.py and tests/test_zero.py come from ONE torchrun job
-(`labkit.parallel.fsdp.sweep`, shared through `sweep_records`), so ranks start only once.
+(`labkit.parallel.studies.sweep`, shared through `sweep_records`), so ranks start only once.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def sweep_records(tmp_path_factory) -> dict:
     """key -> RunRecord of RUNS; run once per pytest session (cached in the session's temp folder)."""
     from labkit import results
     from labkit.models import save_llm
-    from labkit.parallel.fsdp import sweep
+    from labkit.parallel.studies import sweep
 
     root = tmp_path_factory.getbasetemp() / "sharding_sweep"
     index = root / "index.json"
@@ -50,7 +50,7 @@ def sweep_records(tmp_path_factory) -> dict:
 
 def wrap_rows(tmp_path_factory) -> dict:
     """policy -> the wrap-study row the shared sweep measured first."""
-    from labkit.parallel.fsdp import wrap_rows as read
+    from labkit.parallel.studies import wrap_rows as read
 
     sweep_records(tmp_path_factory)
     return {row["policy"]: row for row in read(str(tmp_path_factory.getbasetemp() / "sharding_sweep" / "runs"))}
@@ -130,7 +130,7 @@ def test_offload_records_host_bytes(rec, key):
 
 @pytest.mark.slow
 def test_measured_bytes_agree_with_estimator(rec):
-    from labkit.parallel.zero import compare_with_estimate
+    from labkit.parallel.studies import compare_with_estimate
 
     keys = ["ddp", "fsdp", "fsdp-grad-op", "fsdp-no-shard", "fsdp-hybrid", "fsdp-offload",
             "zero1", "zero2", "zero3", "zero3-offload"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from labkit.errors import ConfigError
-from labkit.parallel import stack
+from labkit.parallel import stack, studies
 from labkit.train import run
 from labkit.train.api import make_config
 from labkit.train.many import run_many
@@ -67,7 +67,7 @@ def test_a_float_4bit_storage_that_fsdp_would_cast_is_refused(tmp_path):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from labkit.models import save_llm
-    from labkit.parallel.peft import load_4bit
+    from labkit.parallel.qlora import load_4bit
 
     path = save_llm("tiny-llama", tmp_path / "base")
     stack.check_storage(load_4bit(path), torch.bfloat16)  # uint8 storage: FSDP never casts integers
@@ -80,7 +80,7 @@ def test_a_float_4bit_storage_that_fsdp_would_cast_is_refused(tmp_path):
 
 
 def test_low_bit_optimizer_state_is_measured():
-    rows = {r["optimizer"]: r for r in stack.optimizer_memory("tiny-llama")}
+    rows = {r["optimizer"]: r for r in studies.optimizer_memory("tiny-llama")}
     adamw = rows["torch AdamW (fp32 states)"]["bytes_per_param"]
     assert 8.0 <= adamw < 8.1  # two fp32 moments (+ a step counter per tensor)
     for name in ("bitsandbytes AdamW8bit", "bitsandbytes PagedAdamW8bit"):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from labkit.errors import ConfigError
-from labkit.parallel import zero
+from labkit.parallel import studies, zero
 from labkit.train.api import make_config
 from test_sharding_memory import sweep_records
 
@@ -110,7 +110,7 @@ def test_stage3_checkpoint_resumes_to_the_same_losses(rec):
 
 @pytest.mark.slow
 def test_estimate_adds_deepspeeds_fp32_master_partition(rec):
-    est = zero.estimate_for(rec["zero1"])
+    est = studies.estimate_for(rec["zero1"])
     assert est["ds_master_copy"] == 4 * 106_816 // 2
-    assert zero.estimate_for(rec["fsdp"])["ds_master_copy"] == 0
-    assert zero.estimate_for(rec["fsdp-offload"])["model_states"] == 0
+    assert studies.estimate_for(rec["fsdp"])["ds_master_copy"] == 0
+    assert studies.estimate_for(rec["fsdp-offload"])["model_states"] == 0

@@ -137,16 +137,16 @@ def record_matmul(out: Path, profile: Profile) -> list[Check]:
 
 def accelerate_checks(profile: Profile, out: Path, steps: int) -> list[Check]:
     """FSDP1 through accelerate (notebook 04): each variant's config builds the plugin it asks for
-    (accelerate's own parsing, `accelerate_fsdp.plugin_problems`); on a GPU profile `fsdp` also
+    (accelerate's own parsing, `accelerate_config.plugin_problems`); on a GPU profile `fsdp` also
     trains under `accelerate launch` and must really be FSDP, not silently DDP (unverified on GPUs here)."""
-    from labkit.parallel import accelerate_fsdp
+    from labkit.parallel import accelerate_config, accelerate_fsdp
 
     checks = []
-    for strategy in accelerate_fsdp.STRATEGY_MAP:
+    for strategy in accelerate_config.STRATEGY_MAP:
         start = time.perf_counter()
-        problems = accelerate_fsdp.plugin_problems(strategy, profile.name, out / "accelerate")
+        problems = accelerate_config.plugin_problems(strategy, profile.name, out / "accelerate")
         detail = "; ".join(problems) or "config builds the FSDP1 plugin it asks for"
-        fix = "fix labkit.parallel.accelerate_fsdp.config_dict for this accelerate version" if problems else ""
+        fix = "fix labkit.parallel.accelerate_config.config_dict for this accelerate version" if problems else ""
         checks.append(Check("accelerate", f"accelerate-{strategy}", "failed" if problems else "ok",
                             time.perf_counter() - start, detail, fix))
     if profile.device == "cuda":

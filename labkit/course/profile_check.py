@@ -110,15 +110,15 @@ def memory_config(cfg):
     """The `labkit.memory.estimate.MemoryConfig` of a resolved TrainConfig (bytes per GPU)."""
     from labkit import parallel
     from labkit.memory.estimate import MemoryConfig
-    from labkit.parallel.zero import ESTIMATE_FIELDS
+    from labkit.parallel.studies import ESTIMATE_FIELDS
 
-    world = cfg.world_size
-    dp = parallel.strategy_class(cfg.strategy).dp_size_for(cfg, world)
+    dims = parallel.strategy_class(cfg.strategy).dims_for(cfg, cfg.world_size)
+    dp = dims.dp_size
     fields = dict(ESTIMATE_FIELDS.get(cfg.strategy, {}))
     if cfg.strategy == "fsdp-offload":
         fields["offload"] = "optimizer+params"  # CPUOffloadPolicy: the ZeRO-3 shards live on the host
     if cfg.strategy == "fsdp-hybrid":
-        fields["zero_group"] = world // cfg.nnodes
+        fields["zero_group"] = dims.dp_shard  # ranks per node
     peft = cfg.strategy in ("lora", "qlora", "fsdp-qlora", "fsdp-qlora-offload")
     if peft:
         fields.update(lora_rank=cfg.lora_rank, lora_targets=cfg.lora_targets)
@@ -126,10 +126,7 @@ def memory_config(cfg):
             fields["quant"] = "nf4-dq"
         if cfg.strategy.startswith("fsdp-"):
             fields["zero"] = 3
-    tp = world // dp if cfg.strategy.startswith("tensor") else 1
-    pp = world if cfg.strategy.startswith("pipeline") else 1
-    cp = world if cfg.strategy == "context-parallel" else 1  # each rank holds 1/cp of every sequence
-    ep = world if cfg.strategy == "expert-parallel" else 1  # and 1/ep of the experts
+    tp, pp, cp, ep = dims.tp, dims.pp, dims.cp, dims.ep  # cp: 1/cp of every sequence; ep: 1/ep of the experts
     optimizer = cfg.optimizer or ("paged-adamw-8bit" if "qlora" in cfg.strategy else "adamw")
     return MemoryConfig(model=cfg.model, precision=_PRECISION[cfg.amp], optimizer=optimizer, dp=dp, tp=tp, pp=pp,
                         cp=cp, ep=ep, batch=max(cfg.accum, cfg.batch // dp), grad_accum=cfg.accum,

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from labkit.errors import ConfigError, choices_error
 from labkit.memory import activations as act
 from labkit.memory.params import FUSED_SLICES, ModelSpec, lora_units, model_spec, params_spec
+from labkit.parallel.dims import ParallelDims
 
 #: precision -> (bytes per weight and per gradient, bytes of the fp32 master copy)
 PRECISIONS = {"fp32": (4, 0), "bf16": (2, 0), "fp16": (2, 0), "mixed-bf16": (2, 4), "mixed-fp16": (2, 4)}
@@ -66,16 +67,10 @@ def _positive(name: str, value, *, allow_none: bool = False) -> None:
 
 
 def check_topology(dp: int, tp: int, pp: int, gpus: int, cp: int = 1) -> None:
-    """Raise ConfigError unless dp * tp * pp (* cp) == gpus, naming the product (torchtitan ParallelDims)."""
+    """Raise ConfigError unless dp * tp * pp (* cp) == gpus, naming the product (labkit.parallel.dims)."""
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("gpus", gpus), ("cp", cp)):
         _positive(name, value)
-    product, model = dp * tp * pp * cp, tp * pp * cp
-    if product != gpus:
-        cp_text = f" * cp({cp})" if cp > 1 else ""
-        hint = (f"; e.g. dp={gpus // model} with tp={tp}, pp={pp}" + (f", cp={cp}" if cp > 1 else "")
-                if gpus % model == 0 else f"; tp*pp{'*cp' if cp > 1 else ''}={model} does not divide {gpus}")
-        raise ConfigError(f"tp({tp}) * pp({pp}){cp_text} * dp({dp}) = {product} != gpus({gpus}): "
-                          f"the degrees must multiply to the GPU count{hint}")
+    ParallelDims(dp_shard=dp, tp=tp, pp=pp, cp=cp).check_world(gpus, label="gpus")
 
 
 @dataclass(frozen=True)
@@ -145,10 +140,8 @@ class MemoryConfig:
             _positive(name, getattr(self, name), allow_none=True)
         if self.gpus is not None:
             check_topology(self.dp, self.tp, self.pp, self.gpus, self.cp)
-        if self.dp % self.ep:
-            raise ConfigError(f"ep={self.ep} must divide dp={self.dp}: the experts are split over data-parallel "
-                              f"ranks; use an ep that divides {self.dp}, or raise dp")
         self._check_sharding()
+        _ = self.dims  # ParallelDims validates the degrees: ep must divide dp
         self._check_lora()
         if self.batch is not None and self.batch % self.grad_accum:
             raise ConfigError(f"batch={self.batch} is not divisible by grad_accum={self.grad_accum}; "
@@ -179,6 +172,14 @@ class MemoryConfig:
         if self.quant != "none" and not self.lora_rank:
             raise ConfigError(f"quant={self.quant!r} freezes the base in {self.quant}: quantized weights "
                               "cannot be trained directly; add a LoRA rank (QLoRA), e.g. --lora-rank 8")
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The topology: ZeRO (zero >= 1) shards over zero_group ranks (all dp ranks when 0) and
+        replicates over the rest (FSDP hybrid_shard); without ZeRO every dp rank is a replica."""
+        shard = (self.zero_group or self.dp) if self.zero else 1
+        return ParallelDims(dp_replicate=self.dp // shard, dp_shard=shard, tp=self.tp, pp=self.pp, cp=self.cp,
+                            ep=self.ep)
 
     @classmethod
     def for_fsdp(cls, strategy: str, *, node_size: int = 0, **fields) -> "MemoryConfig":

@@ -19,9 +19,12 @@ THE CONTRACT (what a strategy module `labkit/parallel/<x>.py` provides)
                   Default: at most `max_world_size` ranks; batch % (dp_size_for(cfg, world) * accum) == 0.
                   `launch_env(cfg)` (classmethod): extra env for the ranks (DeepSpeed: DS_ACCELERATOR=cpu).
                   `needs_process_group`: False only for 'single', which runs in the caller's process.
-   topology       `dp_rank`, `dp_size` (attributes, set in __init__): how the GLOBAL batch is sharded.
-                  Default rank / world size; tensor / 2-D parallel: the dp coordinate of the mesh
-                  (TP ranks of one dp group get the SAME samples); `dp_size_for` must agree.
+   topology       `dims` (a `ParallelDims`, labkit/parallel/dims.py: the registry name's preset, from
+                  the classmethod `dims_for(cfg, world)`) and from it `dp_rank`, `dp_size` (attributes, set
+                  in __init__): how the GLOBAL batch is sharded. ddp / fsdp / zero: rank / world size;
+                  tensor-fsdp: the dp coordinate of the (dp_shard, tp) mesh (TP ranks of one dp group get
+                  the SAME samples); pipeline / context parallel: 0 / 1. `dp_size_for` = dims' dp_size.
+                  Meshes come from `self.dims.build_mesh(device_type, names)`.
    setup()        sets `self.model` and `self.optimizer`:
                   `build_model()`        default `labkit.models.build_model(cfg.model)` on ctx.device;
                                          lora/qlora load and adapt the model themselves (4-bit from_pretrained).
@@ -58,7 +61,9 @@ Rules every strategy keeps, so runs compare loss for loss (`labkit.results.compa
 - The loss of a step is the mean over the global batch: each micro-batch loss is divided by `accum`
   and data-parallel gradients are AVERAGED over dp ranks, so the update equals the single-process one.
 - fp32 in the smoke profile; bytes counted on the rank's own device; rank 0 alone prints and writes.
-- No process-group globals: use `ctx.group` or build a mesh from `ctx` (`init_device_mesh`).
+- No process-group globals: use `ctx.group` or a mesh from `self.dims.build_mesh(...)`.
+- A module starts with its teachable part (`apply_<x>` on the first screen); measurement and
+  orchestration around strategies (sweeps, studies, byte comparisons) live in `labkit/parallel/studies.py`.
 
 Names not implemented yet are registered and fail with a clear "not available yet" error.
 """
@@ -77,7 +82,7 @@ STRATEGIES = MappingProxyType({
     "ddp": ("ddp", "training harness"),
     **{n: ("fsdp", "sharding") for n in ("fsdp", "fsdp-grad-op", "fsdp-no-shard", "fsdp-hybrid", "fsdp-offload")},
     **{n: ("zero", "sharding") for n in ("zero1", "zero2", "zero3", "zero3-offload")},
-    **{n: ("peft", "PEFT") for n in ("lora", "qlora")},
+    "lora": ("peft", "PEFT"), "qlora": ("qlora", "PEFT"),
     **{n: ("pipeline", "model-parallel") for n in ("pipeline-gpipe", "pipeline-1f1b")},
     **{n: ("pipeline_virtual", "beyond 3-D") for n in ("pipeline-interleaved", "pipeline-zero-bubble")},
     **{n: ("tensor", "model-parallel") for n in ("tensor", "tensor-fsdp")},

@@ -175,14 +175,6 @@ class ContextParallelStrategy(Strategy):
     """Hook for 'context-parallel': every rank reads the SAME global batch (dp = 1) and trains on its
     sequence chunk; gradients are averaged over the ranks after the last micro-batch."""
 
-    def __init__(self, name, ctx, cfg, task):
-        super().__init__(name, ctx, cfg, task)
-        self.dp_rank, self.dp_size = 0, 1
-
-    @classmethod
-    def dp_size_for(cls, cfg, world_size: int) -> int:
-        return 1
-
     @classmethod
     def check(cls, cfg, world_size: int) -> None:
         if cfg.kind != "llm":

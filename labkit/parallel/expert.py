@@ -160,10 +160,9 @@ class ExpertParallelStrategy(Strategy):
     # to DCP as DTensors sharded on dim 0 (global shape (E, ...)), so any world size -- 'single'
     # included -- can load the checkpoint (DCP reshards), and turn them back into local tensors on load.
     def state_dict(self) -> dict:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Shard
 
-        mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
+        mesh = self.dims.build_mesh(self.ctx.device.type, ("ep",))  # 1-D: ep = world
         shard = lambda t: DTensor.from_local(t, mesh, [Shard(0)], run_check=False)  # noqa: E731
         return self._map_experts(super().state_dict(), shard)
 

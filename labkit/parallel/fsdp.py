@@ -23,20 +23,39 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from labkit.errors import ConfigError, choices_error
 from labkit.parallel import comm, loading
+from labkit.parallel.dims import DP_DIMS, ParallelDims
 from labkit.parallel.single import Strategy
 from labkit.train.metrics import ResidentBytes, tensor_bytes
 
 WRAP_POLICIES = ("block", "size", "root")
 MESHES = ("shard", "replicate", "hybrid")
+
+
+def apply_fsdp(model: nn.Module, mesh, *, cfg, plan: FsdpPlan | None = None) -> nn.Module:
+    """`fully_shard` the wrap units bottom-up, then the root (which takes every remaining parameter).
+
+    The root is resharded after forward too, so between forward and backward a rank holds only its
+    shards plus the one unit being computed: the ZeRO-3 working set.
+    """
+    plan = plan or VARIANTS["fsdp"]
+    from torch.distributed.fsdp import fully_shard
+
+    device = torch.device(mesh.device_type)
+    kwargs = dict(mesh=mesh, reshard_after_forward=plan.reshard_after_forward,
+                  mp_policy=mp_policy_for(getattr(cfg, "amp", "none")), offload_policy=offload_policy_for(plan, device))
+    # Bottom-up: each unit's parameters become DTensors sharded on dim 0 ((d0/N, ...) per rank) and are
+    # all-gathered together when the unit runs; the root then takes whatever no unit claimed.
+    for unit in wrap_units(model, plan.wrap, plan.min_num_params):
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
 
 
 @dataclass(frozen=True)
@@ -74,25 +93,22 @@ VARIANTS = {
 
 
 # ------------------------------------------------------------------------------------------ topology
+#: plan.mesh -> (the ParallelDims preset, the mesh dims FSDP2 gets). 2-D meshes are (replicate, shard):
+#: FSDP2 shards over the last dim and replicates over the first (HSDP); NO_SHARD is (world, 1).
+MESH_DIMS = {"shard": ("fsdp", ("dp_shard",)), "replicate": ("fsdp-no-shard", DP_DIMS),
+             "hybrid": ("fsdp-hybrid", DP_DIMS)}
+
+
 def mesh_shape(plan: FsdpPlan, world_size: int, nnodes: int = 1) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """(shape, dim names) of the data-parallel mesh. 2-D meshes are (replicate, shard): FSDP2 shards
-    over the last dim and replicates over the first (HSDP)."""
-    if plan.mesh == "shard":
-        return (world_size,), ("dp_shard",)
-    if plan.mesh == "replicate":
-        return (world_size, 1), ("dp_replicate", "dp_shard")
-    if world_size % nnodes:
-        raise ConfigError(f"fsdp-hybrid: {world_size} ranks do not split into {nnodes} nodes; "
-                          "use the same --nproc on every node")
-    return (nnodes, world_size // nnodes), ("dp_replicate", "dp_shard")
+    """(shape, dim names) of the data-parallel mesh of `plan` on `world_size` ranks (labkit.parallel.dims)."""
+    preset, names = MESH_DIMS[plan.mesh]
+    return ParallelDims.from_world(preset, world_size, nnodes=nnodes).mesh_shape(names)
 
 
 def build_mesh(plan: FsdpPlan, device: torch.device, world_size: int, nnodes: int = 1):
     """The DeviceMesh over the job's ranks (built from the world group torchrun set up, no global of ours)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    shape, names = mesh_shape(plan, world_size, nnodes)
-    return init_device_mesh(device.type, shape, mesh_dim_names=names)
+    preset, names = MESH_DIMS[plan.mesh]
+    return ParallelDims.from_world(preset, world_size, nnodes=nnodes).build_mesh(device.type, names)
 
 
 # ------------------------------------------------------------------------------------------ wrapping
@@ -171,24 +187,6 @@ def offload_policy_for(plan: FsdpPlan, device: torch.device):
     return CPUOffloadPolicy(pin_memory=device.type == "cuda" and torch.cuda.is_available())
 
 
-def apply_fsdp(model: nn.Module, mesh, *, cfg, plan: FsdpPlan | None = None) -> nn.Module:
-    """`fully_shard` the wrap units bottom-up, then the root (which takes every remaining parameter).
-
-    The root is resharded after forward too, so between forward and backward a rank holds only its
-    shards plus the one unit being computed: the ZeRO-3 working set.
-    """
-    plan = plan or VARIANTS["fsdp"]
-    from torch.distributed.fsdp import fully_shard
-
-    device = torch.device(mesh.device_type)
-    kwargs = dict(mesh=mesh, reshard_after_forward=plan.reshard_after_forward,
-                  mp_policy=mp_policy_for(getattr(cfg, "amp", "none")), offload_policy=offload_policy_for(plan, device))
-    for unit in wrap_units(model, plan.wrap, plan.min_num_params):
-        fully_shard(unit, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
-
-
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:
     from torch.distributed.fsdp import FSDPModule
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -236,7 +234,7 @@ class FSDPStrategy(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         full = loading.full_state_on_rank0(model, self.ctx.rank)
-        self.mesh = build_mesh(self.plan, self.ctx.device, self.ctx.world_size, self.cfg.nnodes)
+        self.mesh = self.dims.build_mesh(self.ctx.device.type, MESH_DIMS[self.plan.mesh][1])
         units = wrap_units(model, self.plan.wrap, self.plan.min_num_params)
         self.units = unit_sizes(model, units)
         apply_fsdp(model, self.mesh, cfg=self.cfg, plan=self.plan)
@@ -281,7 +279,7 @@ class FSDPStrategy(Strategy):
         return ResidentBytes(max(rest[0], held[0]), grads[0], optim[0], rest[1] + grads[1] + optim[1])
 
     def record_extra(self) -> dict:
-        shape, names = mesh_shape(self.plan, self.ctx.world_size, self.cfg.nnodes)
+        shape, names = self.dims.mesh_shape(MESH_DIMS[self.plan.mesh][1])
         full_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         mp = mp_policy_for(self.cfg.amp)
         name = lambda dtype: str(dtype or torch.float32).removeprefix("torch.")  # noqa: E731
@@ -306,70 +304,3 @@ def plan_for(name: str, **changes) -> FsdpPlan:
     if name not in VARIANTS:
         raise choices_error("FSDP strategy", name, VARIANTS)
     return dataclasses.replace(VARIANTS[name], **changes)
-
-
-# ------------------------------------------------------------------------------------------ sweep
-def sweep(runs: list, model: str, *, nproc: int = 2, out: str = "runs", stream: bool = True,
-          timeout_s: float | None = None, wrap_policies: dict | None = None, **options) -> list:
-    """Train each run in turn inside ONE torchrun job; returns their RunRecords, in order.
-
-    `runs` holds strategy names or (strategy, {option: value}) pairs overriding `options` for one run
-    (e.g. ("fsdp", {"amp": "bf16"})): `labkit.train.many.run_many`. With `wrap_policies` the job
-    first runs the wrap study (see `wrap_study`); `wrap_rows(out)` reads it.
-    """
-    from labkit.train.many import run_many
-
-    before = None
-    if wrap_policies:
-        spec = dict(policies=wrap_policies, out=str(Path(out) / "wrap_study.json"))
-        before = ("labkit.parallel.fsdp:wrap_study_rank", spec)
-    return run_many(runs, model, nproc=nproc, out=out, stream=stream, timeout_s=timeout_s, before=before, **options)
-
-
-def wrap_study(policies: dict[str, dict], model: str = "tiny-llama", *, out: str = "runs", **options) -> list[dict]:
-    """Measure each wrap policy on `nproc` ranks: FSDP units, the largest unit, and the peak bytes of
-    parameters a rank holds during one forward (its shards + whatever is gathered at that moment).
-
-    `policies` maps a label to FsdpPlan changes, e.g. {"block": {}, "root": {"wrap": "root"},
-    "size": {"wrap": "size", "min_num_params": 20_000}}.
-    """
-    sweep([], model, out=out, wrap_policies=policies, **{"stream": False, **options})
-    return wrap_rows(out)
-
-
-def wrap_rows(out: str) -> list[dict]:
-    """The rows the last wrap study wrote to OUT/wrap_study.json."""
-    return json.loads((Path(out) / "wrap_study.json").read_text(encoding="utf-8"))
-
-
-def wrap_study_rank(spec: dict, cfg, ctx) -> None:
-    """`run_many` hook on every rank: measure spec["policies"], rank 0 writes the rows to spec["out"]."""
-    rows = _wrap_rows(spec["policies"], cfg, ctx)
-    if ctx.is_main:
-        Path(spec["out"]).parent.mkdir(parents=True, exist_ok=True)
-        Path(spec["out"]).write_text(json.dumps(rows), encoding="utf-8")
-
-
-def _wrap_rows(policies: dict, cfg, ctx) -> list[dict]:
-    from labkit.models import build_llm
-
-    rows = []
-    tokens = torch.arange(cfg.batch // ctx.world_size * cfg.seq_len).reshape(-1, cfg.seq_len).to(ctx.device)
-    for label, changes in policies.items():
-        plan = plan_for("fsdp", **changes)
-        model = build_llm(cfg.model, seed=cfg.seed).to(ctx.device)
-        sizes = unit_sizes(model, wrap_units(model, plan.wrap, plan.min_num_params))
-        apply_fsdp(model, build_mesh(plan, ctx.device, ctx.world_size), cfg=cfg, plan=plan)
-        peak = [0]
-
-        def probe(*_):  # registered params are the shards, or the full tensors of gathered units
-            peak[0] = max(peak[0], sum(tensor_bytes(model.parameters(), ctx.device)))
-
-        handles = [m.register_forward_pre_hook(probe) for m in model.modules()]
-        handles += [m.register_forward_hook(probe) for m in model.modules()]
-        model(tokens % model.config.vocab_size).logits.float().mean().backward()
-        for h in handles:
-            h.remove()
-        rows.append(dict(policy=label, units=len(sizes), unit_params=sizes, largest_unit_params=max(sizes),
-                         shard_bytes=sum(tensor_bytes(model.parameters(), ctx.device)), peak_param_bytes=peak[0]))
-    return rows

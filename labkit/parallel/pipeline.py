@@ -20,15 +20,34 @@ Introduced in notebook 07_model_parallel.
 """
 from __future__ import annotations
 
-import statistics
-
 import torch
 from torch import nn
 
 from labkit.errors import ConfigError
-from labkit.parallel.comm import bubble_fraction, events_of, max_in_flight
-from labkit.parallel.comm import stage_bubbles as measured_bubble
+from labkit.parallel.comm import bubble_fraction  # noqa: F401  (re-exported: notebooks read P.bubble_fraction)
+from labkit.parallel.pipeline_trace import ScheduleTrace, schedule_facts
 from labkit.parallel.single import Strategy
+
+
+def apply_pipeline(model: nn.Module, group, *, cfg=None, stage: int | None = None,
+                   num_stages: int | None = None) -> LlamaStage:
+    """This rank's stage of `model` (an HF Llama causal LM): stage = rank in `group` unless given.
+
+    The rest of the model is dropped (to be freed); the stage stays on the model's device.
+    """
+    import torch.distributed as dist
+
+    if stage is None or num_stages is None:
+        stage, num_stages = dist.get_rank(group), dist.get_world_size(group)
+    if getattr(model.config, "tie_word_embeddings", False) and num_stages > 1:
+        raise ConfigError("this model ties its LM head to the embedding, which pipeline stages 0 and "
+                          f"{num_stages - 1} would both need; use an untied preset (tiny-llama, llama2-7b) "
+                          "or --strategy tensor")
+    # Stage s keeps layers split_layers(L, p)[s] (~L/p of them): (B, T) ids -> stage 0 -> (B, T, H) -> ...
+    # -> last stage -> (B, T, V) logits; only activations of one micro-batch cross each boundary.
+    layers = split_layers(model.config.num_hidden_layers, num_stages)[stage]
+    return LlamaStage(model, layers, first=stage == 0, last=stage == num_stages - 1)
+
 
 SCHEDULES = {"pipeline-gpipe": "gpipe", "pipeline-1f1b": "1f1b"}
 
@@ -80,24 +99,6 @@ class LlamaStage(nn.Module):
         return h
 
 
-def apply_pipeline(model: nn.Module, group, *, cfg=None, stage: int | None = None,
-                   num_stages: int | None = None) -> LlamaStage:
-    """This rank's stage of `model` (an HF Llama causal LM): stage = rank in `group` unless given.
-
-    The rest of the model is dropped (to be freed); the stage stays on the model's device.
-    """
-    import torch.distributed as dist
-
-    if stage is None or num_stages is None:
-        stage, num_stages = dist.get_rank(group), dist.get_world_size(group)
-    if getattr(model.config, "tie_word_embeddings", False) and num_stages > 1:
-        raise ConfigError("this model ties its LM head to the embedding, which pipeline stages 0 and "
-                          f"{num_stages - 1} would both need; use an untied preset (tiny-llama, llama2-7b) "
-                          "or --strategy tensor")
-    layers = split_layers(model.config.num_hidden_layers, num_stages)[stage]
-    return LlamaStage(model, layers, first=stage == 0, last=stage == num_stages - 1)
-
-
 def build_schedule(stage_module: nn.Module, group, *, schedule: str, microbatches: int, loss_fn,
                    device: torch.device):
     """A `PipelineStage` around `stage_module` and its GPipe / 1F1B schedule (scale_grads=False:
@@ -110,69 +111,6 @@ def build_schedule(stage_module: nn.Module, group, *, schedule: str, microbatche
         raise ConfigError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(classes)}")
     pipe_stage = PipelineStage(stage_module, dist.get_rank(group), dist.get_world_size(group), device, group=group)
     return pipe_stage, classes[schedule](pipe_stage, microbatches, loss_fn=loss_fn, scale_grads=False)
-
-
-# ------------------------------------------------------------------------------ measuring the schedule
-class ScheduleTrace:
-    """Records which micro-batch the stage computes when: (kind 'F'/'B', micro-batch, t0, t1).
-
-    Wraps the stage's `forward_one_chunk` / `backward_one_chunk`, which every schedule calls; times
-    are seconds of `time.perf_counter()` (one monotonic clock for all processes of a machine). On a
-    GPU the chunk boundaries are CUDA events read at the end of each schedule run
-    (`labkit.train.timing.WorkClock`): perf_counter alone would time the kernel launches.
-    """
-
-    def __init__(self, pipe_stage, clock=None):
-        from labkit.train.timing import WorkClock
-
-        self.steps: list[list[tuple]] = []
-        self.recording = False  # off in evaluation (whose schedules call backward_one_chunk as a no-op)
-        self.submod = pipe_stage.submod
-        self.clock = clock or WorkClock(getattr(pipe_stage, "device", "cpu"))
-        self._pending: list[tuple] = []
-        for kind, attr in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
-            setattr(pipe_stage, attr, self._timed(kind, getattr(pipe_stage, attr)))
-
-    def _timed(self, kind: str, fn):
-        def run(chunk_id, *args, **kwargs):
-            if kind == "F":
-                _let_memory_tracker_see(self.submod)
-            token = self.clock.start()
-            out = fn(chunk_id, *args, **kwargs)
-            if self.recording:
-                self._pending.append((kind, int(chunk_id), self.clock.stop(token)))
-            return out
-        return run
-
-    def begin_step(self) -> None:
-        """Start recording one schedule run (one `schedule.step`)."""
-        self.clock.begin_step()
-        self._pending = []
-        self.recording = True
-
-    def end_step(self) -> None:
-        self.recording = False
-        times = self.clock.end_step([interval for _, _, interval in self._pending])
-        self.steps.append([(kind, chunk, t0, t1) for (kind, chunk, _), (t0, t1) in zip(self._pending, times)])
-        self._pending = []
-
-
-def _let_memory_tracker_see(stage_module: nn.Module) -> None:
-    """Before each micro-batch forward: let the harness's CPU MemTracker (active in one warm-up step)
-    follow a pipeline schedule.
-
-    MemTracker takes a second forward of a ROOT module for the next iteration and raises; resetting
-    all its stats (what the loop does per micro-batch) would drop the entries that the still-pending
-    backwards of earlier micro-batches look up. Dropping only the root's entry makes the next forward
-    a fresh root call while the layers keep theirs. Uses MemTracker internals (torch 2.14): the
-    harness has no hook for schedules that interleave micro-batches -- reported to its owner.
-    """
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    for mode in _get_current_dispatch_mode_stack():
-        if isinstance(mode, MemTracker):
-            mode.memory_tracking.pop(stage_module, None)
 
 
 # ------------------------------------------------------------------------------------------ hook
@@ -195,17 +133,12 @@ class PipelineStrategy(Strategy):
     """
 
     def __init__(self, name, ctx, cfg, task):
-        super().__init__(name, ctx, cfg, task)
-        self.dp_rank, self.dp_size = 0, 1
+        super().__init__(name, ctx, cfg, task)  # dims: pp = world, so dp_rank 0, dp_size 1
         self.schedule_name = SCHEDULES[name]
         self.microbatches = microbatches_for(cfg, ctx.world_size)
         self.pipe_stage = self.schedule = self.trace = None
         self.full_params = self.embed_params = 0
         self.gathered: list[list[list[tuple]]] = []
-
-    @classmethod
-    def dp_size_for(cls, cfg, world_size: int) -> int:
-        return 1
 
     @classmethod
     def check(cls, cfg, world_size: int) -> None:
@@ -304,31 +237,4 @@ class PipelineStrategy(Strategy):
                 "stage_layers": split_layers(self.model.config.num_hidden_layers, self.ctx.world_size),
                 **schedule_facts(self.gathered, self.ctx.world_size, self.microbatches, skip=2 * self.cfg.accum)}
 
-def schedule_facts(gathered: list[list[list[tuple]]], stages: int, microbatches: int, skip: int = 2) -> dict:
-    """Bubble (theory vs measured: median over the schedule runs after the first `skip` warm-up
-    runs), in-flight micro-batches per stage and the last run's events (the schedule diagram).
-    `gathered[rank]` is that stage's `ScheduleTrace.steps` (one list per schedule run)."""
-    steps = min(len(g) for g in gathered) if gathered else 0
-    if not steps:
-        return {"bubble_theory": bubble_fraction(stages, microbatches)}
-    per_step = [events_of([g[i] for g in gathered]) for i in range(steps)]
-    measured = [statistics.mean(measured_bubble(ev)) for ev in per_step]
-    kept = measured[skip:] or measured
-    last = per_step[-1]
-    return {"bubble_theory": bubble_fraction(stages, microbatches), "bubble_measured": statistics.median(kept),
-            "bubble_per_stage": [round(b, 4) for b in measured_bubble(last)],
-            "max_in_flight": max_in_flight(last), "schedule_trace": last}
-
-
 STRATEGY_CLASSES = {name: PipelineStrategy for name in SCHEDULES}
-
-
-# ------------------------------------------------------------------------------ several runs, one launch
-def run_together(strategies, model: str, *, nproc: int = 2, stream: bool = False, **options) -> list:
-    """Train `model` with each strategy in turn inside ONE torchrun launch: the same loop and
-    RunRecords as `labkit train`, one process start-up instead of several (notebook 07 runs GPipe,
-    1F1B and tensor-fsdp this way). `options` are TrainConfig fields shared by all runs.
-    A thin name for `labkit.train.many.run_many`."""
-    from labkit.train.many import run_many
-
-    return run_many(list(strategies), model, nproc=nproc, stream=stream, **options)

@@ -26,7 +26,8 @@ from torch import nn
 
 from labkit.errors import ConfigError
 from labkit.parallel import comm
-from labkit.parallel.pipeline import LlamaStage, PipelineStrategy, ScheduleTrace, schedule_facts, split_layers
+from labkit.parallel.pipeline import LlamaStage, PipelineStrategy, split_layers
+from labkit.parallel.pipeline_trace import ScheduleTrace, schedule_facts
 
 #: strategy name -> (torch schedule class name, stage-to-rank style)
 SCHEDULES = {"pipeline-interleaved": ("ScheduleInterleaved1F1B", "loop"),
@@ -126,7 +127,6 @@ class VirtualPipelineStrategy(PipelineStrategy):
 
     def __init__(self, name, ctx, cfg, task):
         super(PipelineStrategy, self).__init__(name, ctx, cfg, task)  # PipelineStrategy's, minus its schedule table
-        self.dp_rank, self.dp_size = 0, 1
         self.schedule_name, self.style = SCHEDULES[name]
         from labkit.parallel.pipeline import microbatches_for
         self.microbatches = microbatches_for(cfg, ctx.world_size)

@@ -30,6 +30,7 @@ from labkit import presets
 from labkit.parallel import perf_model
 from labkit.errors import ConfigError, choices_error
 from labkit.parallel.perf_model import GPUS, Budget, Efficiency, GpuSpec, budget  # noqa: F401 (re-exported)
+from labkit.parallel.dims import ParallelDims
 
 
 #: Share of HBM the plan may fill: the rest is CUDA context, NCCL buffers and fragmentation,
@@ -124,6 +125,10 @@ class Option:
     """Expert-parallel degree (MoE models only)."""
 
     @property
+    def dims(self) -> ParallelDims:
+        return layout_dims(self.dp, self.tp, self.pp, self.zero, cp=self.cp, ep=self.ep)
+
+    @property
     def layout(self) -> str:
         extra = "".join(f" {k}={v}" for k, v in (("cp", self.cp), ("ep", self.ep)) if v > 1)
         return f"dp={self.dp} tp={self.tp} pp={self.pp}{extra} zero={self.zero} m={self.microbatches}"
@@ -136,11 +141,15 @@ def _arch(model: str) -> dict:
     return dict(presets.LLM_PRESETS.get(model) or presets.GPT_PRESETS[model])
 
 
+def layout_dims(dp: int, tp: int, pp: int, zero: int = 0, *, cp: int = 1, ep: int = 1) -> ParallelDims:
+    """The ParallelDims of a layout: with ZeRO the dp ranks shard (dp_shard), without it they replicate."""
+    return ParallelDims(dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1, tp=tp, pp=pp, cp=cp, ep=ep)
+
+
 def check_layout(req: PlanRequest, dp: int, tp: int, pp: int, zero: int = 0, *, cp: int = 1, ep: int = 1) -> None:
     """ConfigError naming why (dp, tp, pp, zero, cp, ep) cannot run `req`; returns None when it can."""
-    from labkit.memory.estimate import check_topology
-
-    check_topology(dp, tp, pp, req.gpus, cp)  # "tp(8) * pp(8) * dp(8) = 512 != gpus(64)"
+    # "tp(8) * pp(8) * dp(8) = 512 != gpus(64)"
+    layout_dims(dp, tp, pp, zero, cp=cp).check_world(req.gpus, label="gpus")
     arch = _arch(req.model)
     if req.seq % cp:
         raise ConfigError(f"cp={cp} does not split seq={req.seq} into equal chunks; use a cp that divides it")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from labkit.errors import ConfigError
+from labkit.parallel.dims import ParallelDims
 from labkit.train import levers
 from labkit.train.metrics import ResidentBytes, resident_bytes
 
@@ -60,7 +61,8 @@ class Strategy:
 
     def __init__(self, name: str, ctx: DistContext, cfg, task):
         self.name, self.ctx, self.cfg, self.task = name, ctx, cfg, task
-        self.dp_rank, self.dp_size = ctx.rank, ctx.world_size
+        self.dims = self.dims_for(cfg, ctx.world_size, name)
+        self.dp_rank, self.dp_size = self.dims.dp_rank(ctx.rank), self.dims.dp_size
         self.precision = levers.Precision(cfg.amp, ctx.device)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -83,9 +85,14 @@ class Strategy:
         return {}
 
     @classmethod
+    def dims_for(cls, cfg, world_size: int, name: str | None = None) -> ParallelDims:
+        """The run's topology: the ParallelDims preset of the strategy's registry name (labkit.parallel.dims)."""
+        return ParallelDims.for_config(cfg, world_size, name)
+
+    @classmethod
     def dp_size_for(cls, cfg, world_size: int) -> int:
-        """Data-parallel degree for `world_size` ranks (all ranks are data-parallel by default)."""
-        return world_size
+        """Data-parallel degree for `world_size` ranks: ranks that read different samples."""
+        return cls.dims_for(cfg, world_size).dp_size
 
     # ------------------------------------------------------------------ build
     def setup(self) -> None:
@@ -260,10 +267,6 @@ class SingleStrategy(Strategy):
 
     needs_process_group = False
     max_world_size = 1
-
-    def __init__(self, name, ctx, cfg, task):
-        super().__init__(name, ctx, cfg, task)
-        self.dp_rank, self.dp_size = 0, 1
 
 
 STRATEGY_CLASSES = {"single": SingleStrategy}

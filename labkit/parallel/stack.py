@@ -32,8 +32,8 @@ from torch import nn
 
 from labkit.errors import ConfigError
 from labkit.parallel import fsdp
-from labkit.parallel.peft import (LoraSettings, LoraStrategy, QLoraStrategy, _quant_state_tensors, apply_qlora,
-                                  load_4bit, trainable_counts)
+from labkit.parallel.peft import LoraSettings, LoraStrategy, trainable_counts
+from labkit.parallel.qlora import QLoraStrategy, _quant_state_tensors, apply_qlora, load_4bit
 from labkit.train.metrics import ResidentBytes, resident_bytes, tensor_bytes
 
 VARIANTS = {"fsdp-qlora": fsdp.FsdpPlan(), "fsdp-qlora-offload": fsdp.FsdpPlan(offload=True)}
@@ -53,11 +53,11 @@ def check_storage(model: nn.Module, param_dtype: torch.dtype | None) -> None:
         if dtype.is_floating_point and param_dtype is not None and dtype != param_dtype:
             raise ConfigError(f"4-bit weights are stored as {dtype} but FSDP gathers parameters in {param_dtype}: "
                               "the cast would corrupt the packed NF4 bytes; load with bnb_4bit_quant_storage="
-                              "torch.uint8 (labkit.parallel.peft.load_4bit does)")
+                              "torch.uint8 (labkit.parallel.qlora.load_4bit does)")
 
 
 def apply_fsdp_qlora(model: nn.Module, mesh, *, cfg, offload: bool = False) -> nn.Module:
-    """`fully_shard` a QLoRA model (from `peft.apply_qlora`): one unit per decoder layer, then the root.
+    """`fully_shard` a QLoRA model (from `qlora.apply_qlora`): one unit per decoder layer, then the root.
 
     Adapters and frozen NF4 weights of a layer share its unit. `cfg.amp` picks the MixedPrecisionPolicy
     (bf16: gathered adapters / norms in bf16, gradients reduced in fp32).
@@ -129,7 +129,7 @@ class FsdpQLoraStrategy(QLoraStrategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         self.counts = logical_counts(model)
         self.counts["packed_4bit_full_bytes"] = packed_bytes(model)
-        self.mesh = fsdp.build_mesh(self.plan, self.ctx.device, self.ctx.world_size, self.cfg.nnodes)
+        self.mesh = self.dims.build_mesh(self.ctx.device.type, fsdp.MESH_DIMS[self.plan.mesh][1])
         return apply_fsdp_qlora(model, self.mesh, cfg=dataclasses.replace(self.cfg, amp=self.amp),
                                 offload=self.plan.offload)
 
@@ -147,7 +147,7 @@ class FsdpQLoraStrategy(QLoraStrategy):
 
     def record_extra(self) -> dict:
         settings = LoraSettings.of(self.cfg)
-        shape, names = fsdp.mesh_shape(self.plan, self.ctx.world_size, self.cfg.nnodes)
+        shape, names = self.dims.mesh_shape(fsdp.MESH_DIMS[self.plan.mesh][1])
         facts = {"lora_rank": settings.rank, "lora_alpha": settings.alpha, "lora_targets": settings.targets,
                  "trainable_fraction": self.counts["trainable"] / self.counts["total"],
                  "total_params": self.counts["total"], "quant_type": "nf4", "double_quant": True,
@@ -162,53 +162,3 @@ class FsdpQLoraStrategy(QLoraStrategy):
 
 
 STRATEGY_CLASSES = {name: FsdpQLoraStrategy for name in VARIANTS}
-
-
-# ---------------------------------------------------------------------------- low-bit optimizers
-#: name -> (module, class) of the optimizers compared in notebook 08; torchao's are optional.
-LOW_BIT_OPTIMIZERS = {
-    "torch AdamW (fp32 states)": ("torch.optim", "AdamW"),
-    "bitsandbytes AdamW8bit": ("bitsandbytes.optim", "AdamW8bit"),
-    "bitsandbytes PagedAdamW8bit": ("bitsandbytes.optim", "PagedAdamW8bit"),
-    "torchao AdamW8bit": ("torchao.optim", "AdamW8bit"),
-    "torchao AdamW4bit": ("torchao.optim", "AdamW4bit"),
-}
-
-
-def _state_bytes(optimizer) -> int:
-    tensors = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return sum(tensor_bytes(tensors, torch.device("cpu")))
-
-
-def optimizer_memory(model_name: str = "tiny-llama", *, seed: int = 0, min_8bit_size: int = 4096) -> list[dict]:
-    """Optimizer-state bytes after one real full fine-tuning step of `model_name`, per optimizer.
-
-    Rows for a library that is not installed say so (`available` False) instead of a number.
-    """
-    import importlib
-    import warnings
-
-    from labkit.models import build_llm
-
-    rows = []
-    for label, (module, cls_name) in LOW_BIT_OPTIMIZERS.items():
-        try:
-            cls = getattr(importlib.import_module(module), cls_name)
-        except (ImportError, AttributeError) as exc:
-            rows.append({"optimizer": label, "available": False, "state_bytes": None, "bytes_per_param": None,
-                         "note": f"{module.split('.')[0]} not installed ({type(exc).__name__}): pip install "
-                                 f"{module.split('.')[0]}"})
-            continue
-        model = build_llm(model_name, seed=seed)
-        params = [p for p in model.parameters()]
-        kwargs = {"min_8bit_size": min_8bit_size} if module.startswith("bitsandbytes") else {}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Paged optimizers are not supported")
-            opt = cls(params, lr=1e-3, **kwargs)
-        ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed))
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        n = sum(p.numel() for p in params)
-        rows.append({"optimizer": label, "available": True, "state_bytes": _state_bytes(opt),
-                     "bytes_per_param": _state_bytes(opt) / n, "note": ""})
-    return rows

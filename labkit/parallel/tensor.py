@@ -36,10 +36,55 @@ import torch
 from torch import nn
 
 from labkit.errors import ConfigError
+from labkit.parallel.dims import ParallelDims
 from labkit.parallel.single import Strategy
 
 #: Head-count attributes some transformers versions keep on attention modules (divided by tp).
 _HEAD_ATTRS = ("num_heads", "num_key_value_heads", "num_attention_heads")
+
+
+def apply_tensor(model: nn.Module, mesh, *, cfg=None, sequence_parallel: bool | None = None) -> nn.Module:
+    """Megatron-style TP of an HF Llama causal LM over the 1-D device mesh `mesh` (in place).
+
+    `sequence_parallel` defaults to `cfg.sequence_parallel` when the config has that field, else False.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if sequence_parallel is None:
+        sequence_parallel = bool(getattr(cfg, "sequence_parallel", False))
+    tp = mesh.size()
+    check_divisible(model.config, tp)
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, layer_plan(sequence_parallel))
+        for attr in _HEAD_ATTRS:  # only where a module keeps a head count (not HF Llama 5.x)
+            if isinstance(getattr(layer.self_attn, attr, None), int):
+                setattr(layer.self_attn, attr, getattr(layer.self_attn, attr) // tp)
+    parallelize_module(model, mesh, root_plan(sequence_parallel))
+    model.labkit_tp = {"tp": tp, "sequence_parallel": sequence_parallel}
+    return model
+
+
+def apply_tensor_fsdp(model: nn.Module, mesh, *, cfg=None, sequence_parallel: bool | None = None,
+                      levers=None) -> nn.Module:
+    """2-D: TP over mesh['tp'], then (optional `levers(model)`, e.g. checkpointing) FSDP2 over the other
+    dim ('dp_shard' of `ParallelDims.build_mesh`, or 'dp').
+
+    Each decoder layer is one FSDP unit, then the root; parameters become 2-D DTensors sharded by
+    heads/width over tp and by dim 0 over dp.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    apply_tensor(model, mesh["tp"], cfg=cfg, sequence_parallel=sequence_parallel)
+    if levers is not None:
+        model = levers(model)
+    amp = getattr(cfg, "amp", "none")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if amp == "bf16" else None
+    dp = next(n for n in mesh.mesh_dim_names if n != "tp")  # 'dp_shard' (ParallelDims) or 'dp'
+    kwargs = {"mesh": mesh[dp], **({"mp_policy": mp} if mp else {})}
+    for layer in model.model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
 
 
 def _styles():
@@ -97,54 +142,6 @@ def _largest_divisor(n: int, below: int) -> int:
     return max(d for d in range(1, below + 1) if n % d == 0)
 
 
-def apply_tensor(model: nn.Module, mesh, *, cfg=None, sequence_parallel: bool | None = None) -> nn.Module:
-    """Megatron-style TP of an HF Llama causal LM over the 1-D device mesh `mesh` (in place).
-
-    `sequence_parallel` defaults to `cfg.sequence_parallel` when the config has that field, else False.
-    """
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    if sequence_parallel is None:
-        sequence_parallel = bool(getattr(cfg, "sequence_parallel", False))
-    tp = mesh.size()
-    check_divisible(model.config, tp)
-    for layer in model.model.layers:
-        parallelize_module(layer, mesh, layer_plan(sequence_parallel))
-        for attr in _HEAD_ATTRS:  # only where a module keeps a head count (not HF Llama 5.x)
-            if isinstance(getattr(layer.self_attn, attr, None), int):
-                setattr(layer.self_attn, attr, getattr(layer.self_attn, attr) // tp)
-    parallelize_module(model, mesh, root_plan(sequence_parallel))
-    model.labkit_tp = {"tp": tp, "sequence_parallel": sequence_parallel}
-    return model
-
-
-def apply_tensor_fsdp(model: nn.Module, mesh, *, cfg=None, sequence_parallel: bool | None = None,
-                      levers=None) -> nn.Module:
-    """2-D: TP over mesh['tp'], then (optional `levers(model)`, e.g. checkpointing) FSDP2 over mesh['dp'].
-
-    Each decoder layer is one FSDP unit, then the root; parameters become 2-D DTensors sharded by
-    heads/width over tp and by dim 0 over dp.
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    apply_tensor(model, mesh["tp"], cfg=cfg, sequence_parallel=sequence_parallel)
-    if levers is not None:
-        model = levers(model)
-    amp = getattr(cfg, "amp", "none")
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if amp == "bf16" else None
-    kwargs = {"mesh": mesh["dp"], **({"mp_policy": mp} if mp else {})}
-    for layer in model.model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
-
-
-def build_mesh(device: torch.device, dp: int, tp: int):
-    """A (dp, tp) device mesh, tp innermost: ranks r..r+tp-1 form one TP group (one node's NVLink)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-
-
 # ------------------------------------------------------------------------------ the design, checked
 def expected_collectives(num_layers: int, *, sequence_parallel: bool = False) -> dict[str, int]:
     """Collectives per training step (forward + backward) the TP plan implies, by kind.
@@ -183,9 +180,7 @@ def count_collectives(fn) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------ hook
 def tp_degree(cfg, world_size: int) -> int:
     """'tensor': every rank is one TP group. 'tensor-fsdp': TP inside a node (tp = --nproc), DP across."""
-    if cfg.strategy == "tensor":
-        return world_size
-    return max(1, min(getattr(cfg, "tp", None) or cfg.nproc, world_size))
+    return ParallelDims.for_config(cfg, world_size).tp
 
 
 def _full(t):
@@ -201,24 +196,17 @@ class TensorStrategy(Strategy):
     """
 
     def __init__(self, name, ctx, cfg, task):
-        super().__init__(name, ctx, cfg, task)
-        self.tp = tp_degree(cfg, ctx.world_size)
-        self.dp_size, self.dp_rank = ctx.world_size // self.tp, ctx.rank // self.tp
+        super().__init__(name, ctx, cfg, task)  # dims: (dp_shard, tp); dp_rank = rank // tp
+        self.tp = self.dims.tp
         self.mesh, self.sequence_parallel = None, bool(getattr(cfg, "sequence_parallel", False))
         self.collectives: dict[str, int] | None = None
-
-    @classmethod
-    def dp_size_for(cls, cfg, world_size: int) -> int:
-        return world_size // tp_degree(cfg, world_size)
 
     @classmethod
     def check(cls, cfg, world_size: int) -> None:
         if cfg.kind != "llm":
             raise ConfigError(f"strategy {cfg.strategy!r} splits transformer heads; {cfg.model!r} is not an "
                               "LLM: use --model tiny-llama (or a Llama preset / checkpoint)")
-        tp = tp_degree(cfg, world_size)
-        if world_size % tp:
-            raise ConfigError(f"{world_size} ranks do not form whole TP groups of {tp}; use --nproc {tp} per node")
+        tp = tp_degree(cfg, world_size)  # ConfigError when the ranks do not form whole TP groups
         from labkit.models import llm_config
         check_divisible(llm_config(cfg.model), tp)
         super().check(cfg, world_size)
@@ -227,7 +215,7 @@ class TensorStrategy(Strategy):
         # torchtitan's order: TP -> activation checkpointing -> FSDP -> compile.
         from labkit.train import levers
 
-        self.mesh = build_mesh(self.ctx.device, self.dp_size, self.tp)
+        self.mesh = self.dims.build_mesh(self.ctx.device.type, ("dp_shard", "tp"))  # (dp, tp), tp innermost
         lever = levers.apply_activation_checkpointing if self.cfg.checkpointing else None
         if self.name == "tensor":
             model = apply_tensor(model, self.mesh["tp"], cfg=self.cfg)

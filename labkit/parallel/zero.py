@@ -16,7 +16,6 @@ Introduced in notebook 05_zero.
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
@@ -25,11 +24,27 @@ from torch import nn
 
 from labkit.errors import ConfigError
 from labkit.parallel import comm, loading
+from labkit.parallel.deepspeed_bytes import (count_bytes, ds_grad_tensors, ds_optimizer_tensors, ds_param_tensors,
+                                             master_partitions)
 from labkit.parallel.single import Strategy
 from labkit.train.metrics import ResidentBytes
 
 #: registry name -> (ZeRO stage, offload to CPU)
 VARIANTS = {"zero1": (1, False), "zero2": (2, False), "zero3": (3, False), "zero3-offload": (3, True)}
+
+
+def apply_zero(model: nn.Module, group, *, cfg, config: dict):
+    """`deepspeed.initialize` over the already-initialised process group; returns (engine, optimizer).
+
+    DeepSpeed finds the torch.distributed group torchrun set up (gloo on CPU, nccl on GPUs) and
+    partitions at construction: ZeRO-3 replaces each parameter's data by a 1/N `ds_tensor` shard.
+    """
+    if group is None:
+        raise ConfigError(f"{cfg.strategy} needs a process group: launch with --nproc N (torchrun)")
+    deepspeed = import_deepspeed(next(model.parameters()).device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+    return engine, optimizer
 
 
 # ------------------------------------------------------------------------------------------ config
@@ -124,89 +139,6 @@ def import_deepspeed(device: torch.device):
     return deepspeed
 
 
-def apply_zero(model: nn.Module, group, *, cfg, config: dict):
-    """`deepspeed.initialize` over the already-initialised process group; returns (engine, optimizer).
-
-    DeepSpeed finds the torch.distributed group torchrun set up (gloo on CPU, nccl on GPUs) and
-    partitions at construction: ZeRO-3 replaces each parameter's data by a 1/N `ds_tensor` shard.
-    """
-    if group is None:
-        raise ConfigError(f"{cfg.strategy} needs a process group: launch with --nproc N (torchrun)")
-    deepspeed = import_deepspeed(next(model.parameters()).device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
-    return engine, optimizer
-
-
-# ------------------------------------------------------------------------------------------ accounting
-def _tensors(obj) -> list[torch.Tensor]:
-    """Every tensor inside nested lists / tuples / dicts (DeepSpeed keeps its partitions in those)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors(item)]
-    return []
-
-
-def ds_param_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """What holds parameter values: the 1/N `ds_tensor` partitions (stage 3) plus any gathered or
-    persistent full tensors; at stages 1-2 the params are views of one flat buffer."""
-    out = []
-    for p in module.parameters():
-        if hasattr(p, "ds_tensor"):
-            out.append(p.ds_tensor)
-        if p.data.numel():
-            out.append(p.data)
-    return out
-
-
-def ds_grad_tensors(module: nn.Module, optimizer) -> list[torch.Tensor]:
-    """Gradient storage: per-param `.grad` (full, until reduced) and DeepSpeed's partition buffers."""
-    found = [p.grad for p in module.parameters() if p.grad is not None]
-    for attr in ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer"):
-        found += _tensors(getattr(optimizer, attr, None))
-    for bucket in getattr(optimizer, "ipg_buckets", {}).values():  # reduce staging buffers
-        found += _tensors(getattr(bucket, "buffer", None))
-    for flat in _master_partitions(optimizer):
-        if flat.grad is not None:
-            found.append(flat.grad)
-    return found
-
-
-def _master_partitions(optimizer) -> list[torch.Tensor]:
-    """The fp32 master partitions the inner optimizer steps (stage 1-2 / stage 3 attribute names)."""
-    return _tensors(getattr(optimizer, "single_partition_of_fp32_groups", None)) + \
-        _tensors(getattr(optimizer, "fp32_partitioned_groups_flat", None))
-
-
-def ds_optimizer_tensors(optimizer) -> list[torch.Tensor]:
-    """fp32 master partitions + the inner optimizer's states (Adam moments) on them."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    return _master_partitions(optimizer) + [v for s in inner.state.values() for v in _tensors(s)]
-
-
-def count_bytes(groups: list[list[torch.Tensor]], device: torch.device) -> list[tuple[int, int]]:
-    """(bytes on `device`, bytes elsewhere) per group, each storage counted once, in the FIRST group
-    that holds it (a buffer shared by parameters and optimizer counts as parameters)."""
-    seen, out = set(), []
-    for tensors in groups:
-        here = away = 0
-        for t in tensors:
-            storage = t.untyped_storage()
-            key = (t.device, storage.data_ptr())
-            if t.device.type == "meta" or key in seen or storage.nbytes() == 0:
-                continue
-            seen.add(key)
-            if t.device.type == device.type:
-                here += storage.nbytes()
-            else:
-                away += storage.nbytes()
-        out.append((here, away))
-    return out
-
-
 def comm_bytes_per_step(stage: int, param_bytes: int, n: int) -> dict[str, int]:
     """Bytes each rank sends per step (ring, (n-1)/n x size per collective; ZeRO paper Sec. 7.2).
 
@@ -215,64 +147,6 @@ def comm_bytes_per_step(stage: int, param_bytes: int, n: int) -> dict[str, int]:
     """
     ring = int(comm.bytes_sent("reduce_scatter", param_bytes, n))  # = all-gather's
     return {"reduce_scatter": ring, "all_gather": ring * (2 if stage == 3 else 1)}
-
-
-# ------------------------------------------------------------------------------------------ estimate
-#: registry name -> the `labkit.memory.MemoryConfig` fields describing its model states (FSDP by the
-#: ZeRO stage its sharding strategy equals, Zhao et al. 2023 Sec. 3.2.2).
-ESTIMATE_FIELDS = {
-    "single": dict(zero=0), "ddp": dict(zero=0), "fsdp": dict(zero=3), "fsdp-grad-op": dict(zero=2),
-    "fsdp-no-shard": dict(zero=0), "fsdp-hybrid": dict(zero=3), "fsdp-offload": dict(zero=3),
-    "zero1": dict(zero=1), "zero2": dict(zero=2), "zero3": dict(zero=3),
-    "zero3-offload": dict(zero=3, offload="optimizer+params"),
-}
-
-
-def estimate_for(record, *, node_size: int | None = None) -> dict:
-    """`labkit.memory.estimate` for the configuration of a RunRecord: bytes per rank of weights,
-    grads, optimizer, their sum (`model_states`) and host bytes (`cpu`).
-
-    One measured fact the estimator's fp32 row does not contain is added here, visibly
-    (`ds_master_copy`): DeepSpeed always steps a separate fp32 master partition, even for fp32 params
-    (stage_1_and_2.py clones `weights_partition`; stage3.py clones `fp32_partitioned_groups_flat`),
-    so its optimizer holds 4 B more per parameter and rank. Mixed precision already counts a master.
-    FSDP2's CPUOffloadPolicy is not ZeRO-Offload: it keeps exactly the ZeRO-3 shards (params, grads,
-    optimizer states) on the host and steps them there, with no extra fp32 gradient copy.
-    """
-    from labkit.memory.estimate import MemoryConfig, estimate
-
-    fields = dict(ESTIMATE_FIELDS[record.strategy])
-    if record.strategy == "fsdp-hybrid":
-        fields["zero_group"] = node_size or record.extra.get("mesh_shape", [record.world_size])[-1]
-    deepspeed = record.strategy.startswith("zero")
-    # torch strategies keep fp32 params under autocast / MixedPrecisionPolicy; DeepSpeed casts the model.
-    precision = "fp32" if record.dtype == "float32" or not deepspeed else \
-        {"bfloat16": "mixed-bf16", "float16": "mixed-fp16"}[record.dtype]
-    est = estimate(MemoryConfig(model=record.model, precision=precision, dp=record.world_size, **fields))
-    master = math.ceil(est.trainable_params * 4 / record.world_size) if deepspeed and precision == "fp32" else 0
-    optimizer = est.optimizer + (0 if fields.get("offload") else master)
-    cpu = est.cpu_bytes + (master if fields.get("offload") else 0)
-    parts = {"weights": est.weights, "grads": est.grads, "optimizer": optimizer}
-    if record.strategy == "fsdp-offload":
-        cpu, parts = sum(parts.values()), dict.fromkeys(parts, 0)
-    return {**parts, "cpu": cpu, "model_states": sum(parts.values()), "ds_master_copy": master}
-
-
-def compare_with_estimate(records) -> list[dict]:
-    """One row per record: measured vs estimated bytes per rank (max over ranks). `ratio` compares
-    model states on the device, or for offload runs the host bytes (the estimate keeps only one
-    gathered layer on the GPU, which on a CPU run is the same memory as the host)."""
-    rows = []
-    for r in records:
-        est = estimate_for(r)
-        measured = max(p + g + o for p, g, o in zip(r.param_bytes, r.grad_bytes, r.optimizer_bytes))
-        host = max(r.cpu_offload_bytes or [0])
-        offload = r.strategy.endswith("offload")
-        mine, theirs = (host, est["cpu"]) if offload else (measured, est["model_states"])
-        rows.append(dict(strategy=r.strategy, measured_states=measured, estimated_states=est["model_states"],
-                         measured_cpu=host, estimated_cpu=est["cpu"], ds_master_copy=est["ds_master_copy"],
-                         compared="host bytes" if offload else "model states", ratio=round(mine / theirs, 3)))
-    return rows
 
 
 # ------------------------------------------------------------------------------------------ hook
@@ -395,7 +269,7 @@ class ZeroStrategy(Strategy):
     def record_extra(self) -> dict:
         from deepspeed.accelerator import get_accelerator
 
-        master = count_bytes([ds_param_tensors(self.engine.module), _master_partitions(self.ds_optimizer)],
+        master = count_bytes([ds_param_tensors(self.engine.module), master_partitions(self.ds_optimizer)],
                              self.ctx.device)[1]
         param_bytes = sum(self._numel().values()) * 4 if self.cfg.amp == "none" else sum(self._numel().values()) * 2
         return dict(zero_stage=self.stage, offload=self.offload, ds_accelerator=get_accelerator().device_name(),

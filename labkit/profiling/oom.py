@@ -226,7 +226,7 @@ def nf4_weight_bytes(model: str = "tiny-llama") -> dict:
     import tempfile
 
     from labkit.models import save_llm
-    from labkit.parallel.peft import load_4bit, weight_bytes
+    from labkit.parallel.qlora import load_4bit, weight_bytes
 
     with tempfile.TemporaryDirectory(prefix="labkit-nf4-") as tmp:
         wb = weight_bytes(load_4bit(save_llm(model, tmp)))

@@ -3,8 +3,8 @@
 Each run is exactly what `labkit train` runs (same `TrainConfig`, loop and `RunRecord` in
 OUT/results.jsonl), but the ranks start -- import torch, transformers, DeepSpeed; join the process
 group -- once for all of them, which on a laptop is most of a smoke run's wall time. Notebooks 04
-and 05 compare sharding strategies this way (`labkit.parallel.fsdp.sweep`), notebook 07 pipeline
-schedules (`labkit.parallel.pipeline.run_together`).
+and 05 compare sharding strategies this way (`labkit.parallel.studies.sweep`), notebook 07 pipeline
+schedules (`labkit.parallel.studies.run_together`).
 
 An optional `before` hook, named by import path ("package.module:function"), runs on every rank
 inside the same process group before the first run: `function(spec, first_config, ctx)` with the

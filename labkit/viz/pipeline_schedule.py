@@ -2,7 +2,7 @@
 
 A pipeline run records, per stage, when it computed which micro-batch (`RunRecord.extra
 ["schedule_trace"]`: dicts with stage, kind 'F'/'B', mb, t0, t1 in ms; see
-`labkit.parallel.pipeline.ScheduleTrace`). `plot_schedule` draws them as the familiar GPipe / 1F1B
+`labkit.parallel.pipeline_trace.ScheduleTrace`). `plot_schedule` draws them as the familiar GPipe / 1F1B
 picture (Huang et al. 2019; Narayanan et al. 2021, Figs. 3-4): one row per stage, time to the
 right, white space = the bubble. The schedule model that reads the events lives in
 `labkit.parallel.comm` and is re-exported here for the notebooks: `measured_bubble` / `max_in_flight`

@@ -49,7 +49,7 @@ def fits_on_4090() -> list[str]:
     """labkit strategies whose estimated model states of a Llama-2-7B full fine-tune (mixed-bf16 AdamW,
     one GPU) fit in 24 GB. fsdp-offload counts as zero3-offload: CPUOffloadPolicy keeps at least the
     same bytes on the host (notebook 05's FSDP <-> ZeRO table)."""
-    from labkit.parallel.zero import ESTIMATE_FIELDS
+    from labkit.parallel.studies import ESTIMATE_FIELDS
 
     fits = []
     for name, fields in ESTIMATE_FIELDS.items():
