@@ -1,0 +1,127 @@
+"""Train the profile's LLM the way `labkit.train.run` does, with a student's hand-made parallel code inside.
+
+The compare cells of notebooks 04 and 05 run a student's FSDP wrapping or ZeRO-1 step beside labkit's
+strategy, loss for loss. That only means something if everything else is the same: the preset's
+initial weights (its seed), the same global batches (each rank its DistributedSampler share, as
+`labkit.train.data.StepLoader` hands them out), the same AdamW and learning rate, the loss averaged
+over the ranks. `train_llm` is that loop, written out in ~30 lines so a student can read it whole.
+Introduced in notebook 04_fsdp.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def make_config(strategy: str, model: str, **options):
+    """The resolved TrainConfig `labkit.train.run(strategy, model, **options)` would train."""
+    from labkit.train.api import make_config as _make
+
+    return _make(strategy, model, **options)
+
+
+def rank_device(cfg, rank: int) -> torch.device:
+    """CPU in smoke; one GPU per rank on a GPU profile (written blind: unverified on hardware)."""
+    from labkit.profiles import get_profile
+
+    if get_profile(cfg.profile).device == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def train_llm(cfg, rank: int, world: int, *, parallelize: Callable[[nn.Module], nn.Module] | None = None,
+              step: Callable[[list], None] | None = None) -> dict:
+    """Train cfg.model for cfg.steps steps on this rank's share of every global batch (call on every rank).
+
+    `parallelize(model)` shards or wraps the model (e.g. the student's `shard_model`); `step(params)`
+    replaces `AdamW.step()` (e.g. the student's ZeRO-1 step, which must also average the gradients).
+    Without `step`, gradients must be averaged by the parallelized model itself (FSDP, DDP).
+    Returns {"losses": global mean loss per step (the record's `losses`), "params": trainable numel}.
+    """
+    from labkit.models import build_llm
+    from labkit.optim import build_optimizer
+    from labkit.train.data import StepLoader, build_datasets, make_task
+    from labkit.train.loop import seed_everything
+
+    seed_everything(cfg.seed)
+    device = rank_device(cfg, rank)
+    task = make_task(cfg)
+    model = build_llm(cfg.model, seed=cfg.seed).to(device)
+    if parallelize is not None:
+        model = parallelize(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = None if step is not None else build_optimizer("adamw", params, cfg.lr)
+    train_set, _ = build_datasets(cfg, task)
+    loader = iter(StepLoader(train_set, global_batch=cfg.batch, dp_rank=rank, dp_size=world, seed=cfg.seed))
+    losses = []
+    for _ in range(cfg.steps):
+        inputs, targets = (t.to(device) for t in next(loader))
+        loss = task.loss(model, inputs, targets)  # mean over this rank's tokens, fp32
+        loss.backward()
+        if step is not None:
+            step(params)
+        else:
+            optimizer.step()
+        for p in params:
+            p.grad = None
+        losses.append(loss.detach())
+    mean = torch.stack(losses).to(device)
+    dist.all_reduce(mean)  # the record's losses: every rank's local mean, averaged
+    return {"losses": (mean / world).tolist(), "params": sum(p.numel() for p in params)}
+
+
+def state_bytes(obj, seen: set | None = None) -> int:
+    """Bytes of every tensor reachable from `obj` (tensors, optimizers with their states and params,
+    dicts, lists), each storage counted once: what a ZeRO-1 state dict costs a rank."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        key = obj.untyped_storage().data_ptr()
+        if key in seen:
+            return 0
+        seen.add(key)
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, torch.optim.Optimizer):
+        return state_bytes([list(s.values()) for s in obj.state.values()], seen) + \
+            state_bytes([g["params"] for g in obj.param_groups], seen)
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(item, seen) for item in obj)
+    return 0
+
+
+def zero1_vs_adamw(rank: int, world: int, zero1_step: Callable, steps: int = 3, weight_decay: float = 0.0) -> dict:
+    """Rank function of notebook 04's ZeRO-1 tests: a small MLP trained 3 ways on this rank's own data --
+    plain AdamW on the gradients averaged over the ranks (the reference, what DDP + AdamW does),
+    `zero1_step` over all ranks, and `zero1_step` on a one-rank group (nothing sharded). Returns the
+    flat parameters of each and the state bytes of both `zero1_step` runs."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))  # 227 params
+    sharded, alone = copy.deepcopy(ref), copy.deepcopy(ref)
+    solo_groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    gen = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(8, 10, generator=gen), torch.randn(8, 3, generator=gen)) for _ in range(steps)]
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=weight_decay)
+    states = {"sharded": {}, "alone": {}}
+    for x, y in batches:
+        for model in (ref, sharded, alone):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        for p in ref.parameters():  # what DDP does before a plain optimizer step
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        zero1_step(list(sharded.parameters()), states["sharded"], lr=0.05, weight_decay=weight_decay)
+        alone_params = list(alone.parameters())
+        for p in alone_params:  # the one-rank run: average the gradients first, as for the reference
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        zero1_step(alone_params, states["alone"], lr=0.05, weight_decay=weight_decay, group=solo_groups[rank])
+        for model in (ref, sharded, alone):
+            model.zero_grad(set_to_none=True)
+    flat = lambda m: torch.nn.utils.parameters_to_vector(m.parameters()).detach()  # noqa: E731
+    return {"ref": flat(ref), "sharded": flat(sharded), "alone": flat(alone),
+            "bytes_sharded": state_bytes(states["sharded"]), "bytes_alone": state_bytes(states["alone"])}
