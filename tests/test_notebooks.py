@@ -56,6 +56,11 @@ def test_notebook_runs_in_smoke_profile(path, profile):
         pytest.fail(f"{rel(path)} ({profile}): {run.describe()}\n{run.traceback[-4000:]}", pytrace=False)
     if path.stem == "02_single_gpu":
         check_02_precisions(run.output)
+    if profile == "smoke" and path.parent.name == "notebooks":
+        # The solutions are the reference: the executed source gets full marks, code tests included (issue #15).
+        from labkit.course.exercises.grading import full_marks_problems
+
+        assert full_marks_problems(run.output) == [], f"{rel(path)} does not get full marks"
 
 
 def check_02_precisions(executed: Path) -> None:

@@ -24,6 +24,7 @@ SUBCOMMANDS = {
     "reserve": "reserve",
     "check": "check",
     "grade": "grade",
+    "assign": "assign",
     "slides": "slides",
     "bench": "bench",
     "preflight": "preflight",

@@ -1,7 +1,10 @@
-"""`labkit check NOTEBOOK.ipynb`: run the visible checks on your executed notebook, say what to fix.
+"""`labkit check NOTEBOOK.ipynb`: run the visible checks and tests on your notebook, say what to fix.
 
-Exit code 0 when every visible check passes and the recorded results are intact, 1 otherwise, 2 when the
-file cannot be read as a course notebook. Hidden checks run only when the instructor grades.
+Recorded checks read the executed notebook's results; code tests run the visible tests of each exercise on
+the functions its exercise cells define (one subprocess per exercise, with a timeout), from the `tests/`
+folder beside the notebook (else the course's notebooks/tests). Exit code 0 when every visible check and
+test passes and the recorded results are intact, 1 otherwise, 2 when the file cannot be read as a course
+notebook. Hidden checks and tests run only when the instructor grades.
 """
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ from pathlib import Path
 
 import click
 
+from labkit.course.exercises.grading import DEFAULT_TIMEOUT_S, ExerciseGrade, grade_exercises, plan_for, \
+    source_tests_dir
 from labkit.errors import GradingError
 from labkit.grading import tamper
 from labkit.grading.checks import CheckResult
@@ -26,13 +31,25 @@ class CheckReport:
     hidden: int
     problems: tuple[str, ...]
     """Integrity problems the grader would mark `tampered` or `invalid`."""
+    code: tuple[ExerciseGrade, ...] = ()
+    """Visible tests per code exercise."""
 
     @property
     def ok(self) -> bool:
-        return not self.problems and all(r.passed for r in self.results)
+        return (not self.problems and all(r.passed for r in self.results)
+                and all(g.status == "pass" for g in self.code))
 
 
-def check_notebook(path: str | Path, name: str | None = None) -> CheckReport:
+def tests_dir_for(path: Path) -> Path | None:
+    """The visible tests of a notebook: tests/ beside it (a release or the source), else the course's."""
+    for folder in (path.parent / "tests", source_tests_dir()):
+        if folder.is_dir():
+            return folder
+    return None
+
+
+def check_notebook(path: str | Path, name: str | None = None, *, tests: str | Path | None = None,
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> CheckReport:
     """Pure core: GradingError when `path` is not a readable course notebook."""
     path = Path(path)
     if not path.is_file():
@@ -50,7 +67,30 @@ def check_notebook(path: str | Path, name: str | None = None) -> CheckReport:
     checks = checks_for(notebook)
     problems += tamper.problems(nb)
     visible = [c for c in checks if c.visible]
-    return CheckReport(notebook, run_checks(nb, notebook, visible), len(checks) - len(visible), tuple(problems))
+    plan = plan_for(notebook, Path(tests) if tests else tests_dir_for(path))
+    code = tuple(grade_exercises(nb, notebook, plan, timeout_s=timeout_s))
+    return CheckReport(notebook, run_checks(nb, notebook, visible), len(checks) - len(visible), tuple(problems),
+                       code)
+
+
+def _code_lines(report: CheckReport) -> list[str]:
+    lines = []
+    for g in report.code:
+        passed = sum(r.passed for r in g.results)
+        head = f"{g.exercise}: {passed}/{len(g.results)} tests pass"
+        if g.status == "pass":
+            lines.append(f"  PASS  {head}")
+            continue
+        if g.status in ("not attempted", "missing"):
+            why = ("not attempted: write your code in place of the NotImplementedError in its cell"
+                   if g.status == "not attempted" else g.reason)
+            lines.append(f"  TODO  {g.exercise}: {why}")
+            continue
+        lines.append(f"  FAIL  {head}" + (f" ({g.reason})" if g.status == "error" else ""))
+        for r in g.results:
+            if not r.passed and g.status != "error":
+                lines.append(f"        {r.name.split(': ', 1)[1]}: {r.message}")
+    return lines
 
 
 def format_report(report: CheckReport) -> str:
@@ -61,6 +101,10 @@ def format_report(report: CheckReport) -> str:
     for r in report.results:
         mark = "PASS" if r.passed else "FAIL"
         lines.append(f"  {mark}  {r.name} ({r.points:g} pts)" + ("" if r.passed else f"\n        fix: {r.message}"))
+    if report.code:
+        done = sum(g.status == "pass" for g in report.code)
+        lines.append(f"code exercises: {done}/{len(report.code)} pass their visible tests")
+        lines += _code_lines(report)
     for problem in report.problems:
         lines.append(f"  FIX   {problem}")
     if report.hidden:
@@ -71,11 +115,15 @@ def format_report(report: CheckReport) -> str:
 @click.command("check")
 @click.argument("notebook", type=click.Path())
 @click.option("--as", "name", default=None, help="Course notebook name, e.g. 01_memory (default: from metadata).")
+@click.option("--tests", type=click.Path(), default=None,
+              help="Folder of visible tests (default: tests/ beside the notebook, else the course's).")
+@click.option("--timeout", type=float, default=DEFAULT_TIMEOUT_S, show_default=True,
+              help="Seconds per code exercise (all its visible tests).")
 @click.pass_context
-def command(ctx, notebook, name):
-    """Run the visible checks on NOTEBOOK (executed and saved) and print what passes and what to fix."""
+def command(ctx, notebook, name, tests, timeout):
+    """Run the visible checks and code tests on NOTEBOOK (saved) and print what passes and what to fix."""
     try:
-        report = check_notebook(notebook, name)
+        report = check_notebook(notebook, name, tests=tests, timeout_s=timeout)
     except GradingError as exc:
         click.echo(f"error: {exc}", err=True)
         ctx.exit(2)

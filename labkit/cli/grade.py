@@ -2,8 +2,9 @@
 
 Writes OUT_DIR/grades.csv (one row per submission), summary.csv, canvas.csv, gradescope/<notebook>.csv and
 feedback/<student>.html; exit code 0 whenever the gradebook was written, whatever the submissions held.
-With --execute it first prints the isolation executed notebooks get, and refuses (exit 2) where there is
-none unless --unsafe-no-isolation is given.
+Code exercises: each exercise cell's function runs against the visible and hidden tests (--autograder) in
+the same sandbox, one process per exercise, partial credit per test. With --execute or code tests it first
+prints the isolation in use, and refuses (exit 2) where there is none unless --unsafe-no-isolation is given.
 """
 from __future__ import annotations
 
@@ -37,11 +38,17 @@ def _progress(row: Grade) -> None:
 @click.option("--kernel", default="labkit", show_default=True, help="Jupyter kernel for --execute.")
 @click.option("--scratch-mib", type=float, default=512.0, show_default=True,
               help="Size of each execution's private scratch tmpfs (--execute).")
+@click.option("--autograder", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Hidden tests of the code exercises (`labkit assign`'s OUT/autograder; default: the source "
+                   "tree's notebooks/tests/hidden when present).")
+@click.option("--exercise-timeout", type=float, default=300.0, show_default=True,
+              help="Seconds for all the tests of one code exercise.")
 @click.option("--unsafe-no-isolation", is_flag=True,
               help="Execute even where no file-system sandbox exists (student code gets the grader's access).")
 def command(submissions_dir, out_dir, notebook, execute, profile, timeout, workers, memory_gib, output_mib,
-            checks_file, kernel, scratch_mib, unsafe_no_isolation):
-    """Grade SUBMISSIONS_DIR/<student>/<notebook>.ipynb on recorded results (or re-executed with --execute)."""
+            checks_file, kernel, scratch_mib, autograder, exercise_timeout, unsafe_no_isolation):
+    """Grade SUBMISSIONS_DIR/<student>/<notebook>.ipynb on recorded results (or re-executed with --execute),
+    and the code exercises' cells on their visible + hidden tests (sandboxed)."""
     get_profile(profile)  # an unknown profile is a ConfigError naming the valid ones
     if checks_file:
         click.echo(f"extra checks for: {', '.join(load_file(checks_file))}")
@@ -49,7 +56,8 @@ def command(submissions_dir, out_dir, notebook, execute, profile, timeout, worke
                     scratch_bytes=int(scratch_mib * 2**20))
     opts = GradeOptions(execute=execute, notebook=notebook, profile=profile, kernel=kernel, workers=workers,
                         limits=limits, private=(checks_file,) if checks_file else (),
-                        unsafe_no_isolation=unsafe_no_isolation)
+                        unsafe_no_isolation=unsafe_no_isolation, autograder=autograder,
+                        exercise_timeout_s=exercise_timeout)
     if execute:
         iso = isolation_for(opts)  # ConfigError (exit 2) when there is none and it was not accepted
         click.echo(f"isolation: {iso.level} ({iso.detail})")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from labkit.course.exercises import grading as exercise_grading
 from labkit.errors import ConfigError, GradingError
 from labkit.grading import feedback, gradebook, isolation, sandbox, tamper, workspace
 from labkit.grading.evaluate import (DEFAULT_MAX_BYTES, ERROR, INVALID, TAMPERED, TIMEOUT, Grade,
@@ -44,6 +45,11 @@ class GradeOptions:
     """More paths executed notebooks must not see (e.g. the --checks file); the batch's own are always hidden."""
     unsafe_no_isolation: bool = False
     """Execute even without file-system isolation (notebooks can then read and write what the grader can)."""
+    autograder: str | None = None
+    """Hidden tests of the code exercises (`labkit assign`'s DIR/autograder); None: the source tree's
+    notebooks/tests/hidden when it exists. Code tests always run sandboxed, with or without `execute`."""
+    exercise_timeout_s: float = 300.0
+    """Seconds for all the tests of one code exercise (one sandboxed process per exercise)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or self.workers < 1:
@@ -79,11 +85,30 @@ def find_submissions(root: str | Path, notebook: str | None = None) -> list[Subm
     return subs
 
 
-def _max_score(notebook: str) -> float:
+def _max_score(notebook: str, opts: GradeOptions | None = None) -> float:
+    code = code_plan(notebook, opts).max_score if opts is not None else 0.0
     try:
-        return float(sum(c.points for c in checks_for(notebook)))
+        return float(sum(c.points for c in checks_for(notebook))) + code
     except GradingError:
-        return 0.0
+        return code
+
+
+def code_plan(notebook: str, opts: GradeOptions) -> exercise_grading.Plan:
+    return exercise_grading.plan_for_autograder(notebook, opts.autograder)
+
+
+def _with_code(grade: Grade, nb, sub: Submission, opts: GradeOptions, out_dir: Path, box: Sandboxing | None) -> Grade:
+    """The row with the code exercises' tests run (sandboxed) on the submitted exercise cells."""
+    plan = code_plan(sub.notebook, opts)
+    if not plan.exercises:
+        return grade
+    box = box or Sandboxing(isolation_for(opts))
+    hidden = exercise_grading.autograder_dir(opts.autograder)
+    grades = exercise_grading.grade_exercises(
+        nb, sub.notebook, plan, timeout_s=opts.exercise_timeout_s, memory_bytes=opts.limits.memory_bytes,
+        output_bytes=opts.limits.output_bytes, isolation=box.isolation, kernel=opts.kernel,
+        private=box.hidden + (out_dir,) + ((hidden,) if hidden else ()))
+    return exercise_grading.merge(grade, grades)
 
 
 @dataclass(frozen=True)
@@ -109,9 +134,9 @@ def grade_submission(sub: Submission, opts: GradeOptions, out_dir: Path, box: Sa
     try:
         return _grade(sub, opts, out_dir, box)
     except SubmissionProblem as exc:
-        return Grade(sub.student, sub.notebook, exc.status, 0.0, _max_score(sub.notebook), str(exc))
+        return Grade(sub.student, sub.notebook, exc.status, 0.0, _max_score(sub.notebook, opts), str(exc))
     except Exception as exc:  # noqa: BLE001 - the batch never dies; the row says what broke
-        return Grade(sub.student, sub.notebook, ERROR, 0.0, _max_score(sub.notebook),
+        return Grade(sub.student, sub.notebook, ERROR, 0.0, _max_score(sub.notebook, opts),
                      f"grader error ({type(exc).__name__}: {str(exc)[:200]}); please report it")
 
 
@@ -128,12 +153,18 @@ def _grade(sub: Submission, opts: GradeOptions, out_dir: Path, box: Sandboxing |
     check_identity(nb, sub.notebook)
     if not opts.execute:
         grade = grade_notebook(nb, sub.notebook, checks, student=sub.student)
-        return replace(grade, digests=_digests(nb)) if grade.status != TAMPERED else grade
+        if grade.status == TAMPERED:
+            return replace(grade, max_score=_max_score(sub.notebook, opts))
+        return _with_code(replace(grade, digests=_digests(nb)), nb, sub, opts, out_dir, box)
     # Re-running regenerates every result, but a forged seal in what was submitted is still cheating.
     forged = tamper.problems(nb, seals_only=True)
     if forged:
         raise SubmissionProblem(TAMPERED, join_reasons(forged))
-    return _execute_and_grade(sub, opts, out_dir, checks, box or Sandboxing(isolation_for(opts)))
+    box = box or Sandboxing(isolation_for(opts))
+    grade = _execute_and_grade(sub, opts, out_dir, checks, box)
+    if grade.status == TAMPERED:
+        return replace(grade, max_score=_max_score(sub.notebook, opts))
+    return _with_code(grade, nb, sub, opts, out_dir, box)
 
 
 def _digests(nb) -> tuple[str, ...]:
@@ -271,7 +302,8 @@ class BatchResult:
 def _grade_copies(subs: list[Submission], opts: GradeOptions, out_dir: Path, hidden: tuple[Path, ...],
                   progress: Callable[[Grade], None] | None) -> list[Grade]:
     """Copy every submission into a private workspace, grade the copies, note originals that changed."""
-    box = Sandboxing(isolation_for(opts), hidden) if opts.execute else None
+    code = any(code_plan(s.notebook, opts).exercises for s in subs if s.notebook)
+    box = Sandboxing(isolation_for(opts), hidden) if opts.execute or code else None
     received: dict[int, workspace.Received] = {}
     with tempfile.TemporaryDirectory(prefix="labkit-ws-") as ws:  # mode 0700
         for i, sub in enumerate(subs):

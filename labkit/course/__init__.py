@@ -1,0 +1,1 @@
+"""Course machinery: grading, reservations, slides, the notebook runner."""

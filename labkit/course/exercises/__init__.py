@@ -1,0 +1,84 @@
+"""Code exercises: students write the functions that matter; tests check them (issue #15).
+
+In a notebook, after an exercise cell that defines `def <id>(...)`:
+
+    from labkit.course import exercises as ex
+    ex.check(<id>)                      # the visible tests of the exercise: PASS/FAIL per test
+    mine = ex.attempt(run_mine, <id>)   # run_mine(<id>), or None + "not attempted" on the stub
+
+Test files sit beside the notebooks (`tests/NN_x.py` visible, `tests/hidden/NN_x.py` hidden) and hold
+`@case("<id>", points=N)` functions; multi-rank code runs under `spawn(fn, world=2, args=...)`.
+`labkit assign` makes the student release, `labkit check` / `labkit grade` run the tests on a
+submission's exercise cells. docs/grading.md explains the pattern for authors and instructors.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from labkit.course.exercises.cases import (Case, CaseResult, ExerciseError, case, load_cases, load_mutants,
+                                           run_cases)
+from labkit.course.exercises.spawn import spawn
+
+__all__ = ["Case", "CaseResult", "ExerciseError", "attempt", "case", "check", "find_cases", "load_cases",
+           "load_mutants", "run_cases", "spawn"]
+
+
+def find_cases(exercise: str, tests: str | Path | None = None) -> list[Case]:
+    """The visible cases of `exercise`: from the file `tests`, else from `tests/*.py` under the current
+    folder (papermill and Jupyter run a notebook with its folder as the working directory)."""
+    if tests is not None:
+        files = [Path(tests)]
+        if not files[0].is_file():
+            raise ExerciseError(f"check(tests={str(tests)!r}): no such test file")
+    else:
+        folder = next((d for d in (Path("tests"), Path("notebooks", "tests")) if d.is_dir()), None)
+        if folder is None:
+            raise ExerciseError(f"check({exercise}): no tests/ folder beside this notebook (in {Path.cwd()}); "
+                                "pass tests='path/to/tests.py'")
+        files = [f for f in sorted(folder.glob("*.py")) if exercise in f.read_text()]  # load only likely files
+    cases = [c for f in files for c in load_cases(f) if c.exercise == exercise]
+    if not cases:
+        where = files[0] if tests is not None else f"{Path.cwd() / 'tests'}/*.py"
+        raise ExerciseError(f"check({exercise}): no visible test of exercise {exercise!r} in {where}")
+    return cases
+
+
+def report(exercise: str, results: list[CaseResult]) -> str:
+    """The text `check` prints: one line per test, hidden tests without their message."""
+    if results and all(r.status == "not attempted" for r in results):
+        return f"{exercise}: not attempted ({results[0].message})"
+    passed = sum(r.passed for r in results)
+    lines = [f"{exercise}: {passed}/{len(results)} tests pass"]
+    for r in results:
+        pts = f"({r.case.points:g} pt{'s' if r.case.points != 1 else ''})"
+        if r.passed:
+            lines.append(f"  PASS {r.case.name} {pts}")
+        elif r.case.hidden:
+            lines.append(f"  FAIL hidden test {r.case.name} {pts}")
+        else:
+            lines.append(f"  FAIL {r.case.name} {pts}: {r.message}")
+    return "\n".join(lines)
+
+
+def check(fn: Callable, tests: str | Path | None = None) -> None:
+    """Run the visible tests of exercise `fn.__name__` on `fn` and print PASS/FAIL per test.
+
+    The release's stub (NotImplementedError) prints "not attempted" and does not raise, so an
+    unattempted notebook still runs to the end.
+    """
+    exercise = fn.__name__
+    print(report(exercise, run_cases(fn, find_cases(exercise, tests))))
+
+
+def attempt(fn: Callable, *args, **kwargs):
+    """`fn(*args, **kwargs)`, or None (and a "not attempted" line) when an exercise stub raised."""
+    try:
+        return fn(*args, **kwargs)
+    except NotImplementedError as exc:
+        print(f"not attempted yet: {exc}")
+    except ExerciseError as exc:
+        if not exc.not_attempted:
+            raise
+        print(f"not attempted yet: {exc}")
+    return None

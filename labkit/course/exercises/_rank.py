@@ -1,0 +1,45 @@
+"""One rank of `labkit.course.exercises.spawn`: `python -m labkit.course.exercises._rank WORKDIR PARENT_PID`.
+
+Ties its life to the parent (parent-death signal + watchdog), initialises gloo from the env rendezvous,
+runs the shipped function and writes its return value (or its error) as a pickle into WORKDIR.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+
+def main(workdir: str, parent: int) -> int:
+    from labkit import quiet, rank_guard
+
+    rank_guard.set_parent_death_signal()
+    if os.getppid() != parent:  # the caller died before the prctl took effect
+        return 1
+    rank_guard.watch_parent(parent)
+    quiet.install()
+    import cloudpickle
+    import torch.distributed as dist
+
+    work = Path(workdir)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        fn, args = cloudpickle.loads((work / "payload.pkl").read_bytes())
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        try:
+            result = fn(rank, world, *args)
+        finally:
+            sys.stdout.flush()
+        (work / f"result_{rank}.pkl").write_bytes(cloudpickle.dumps(result))
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - reported to the caller, which names this rank
+        (work / f"error_{rank}.pkl").write_bytes(cloudpickle.dumps(
+            (type(exc).__name__, str(exc), traceback.format_exc())))
+        sys.stdout.flush()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], int(sys.argv[2])))

@@ -1,0 +1,186 @@
+"""Grade the code exercises of one notebook: its exercise cells against the visible (and hidden) tests.
+
+One process per exercise (labkit.course.exercises.runner), sandboxed when `isolation` is given (`labkit grade`),
+plain with a timeout otherwise (`labkit check` on a student's own machine). Each test becomes a `CheckResult`
+named "<exercise>: <test>" with its points (partial credit per test); a hidden test is `visible=False`, so
+feedback shows its name and pass/fail only. An exercise whose process hangs, crashes or prints past the cap
+gets 0 on every test and a reason; the other exercises still run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from labkit.course.exercises.cases import load_cases
+from labkit.course.exercises.runner import OK, run_exercise, payload_of
+from labkit.course.exercises.source import exercise_cells
+from labkit.grading.checks import CheckResult
+
+#: Seconds per exercise (all its tests in one process) unless the caller says otherwise.
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def source_tests_dir() -> Path:
+    """notebooks/tests of the source tree this labkit was imported from (it may not exist: an installed wheel)."""
+    import labkit
+
+    return Path(labkit.__file__).resolve().parents[1] / "notebooks" / "tests"
+
+
+def visible_dir_of(autograder: Path) -> Path:
+    """Where the visible tests sit next to an autograder folder: DIR/visible (a release) or the parent of
+    notebooks/tests/hidden (the source tree)."""
+    return autograder / "visible" if (autograder / "visible").is_dir() else autograder.parent
+
+
+def autograder_dir(autograder: str | Path | None) -> Path | None:
+    """The hidden tests' folder: `autograder` if given, else the source tree's notebooks/tests/hidden (if any)."""
+    if autograder is not None:
+        return Path(autograder)
+    default = source_tests_dir() / "hidden"
+    return default if default.is_dir() else None
+
+
+def plan_for_autograder(notebook: str, autograder: str | Path | None) -> "Plan":
+    """The visible + hidden test files of `notebook` for `labkit grade --autograder`."""
+    hidden = autograder_dir(autograder)
+    return plan_for(notebook, visible_dir_of(hidden) if hidden else source_tests_dir(), hidden)
+
+
+@dataclass(frozen=True)
+class ExerciseGrade:
+    exercise: str
+    status: str
+    """pass (every test), partial, fail, not attempted, missing (no cell) or error (hang / crash / output cap)."""
+    reason: str
+    results: tuple[CheckResult, ...] = field(default_factory=tuple)
+
+    @property
+    def score(self) -> float:
+        return sum(r.earned for r in self.results)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The test files of one notebook and the exercises they test, in file order."""
+
+    visible: tuple[Path, ...]
+    hidden: tuple[Path, ...]
+    exercises: tuple[str, ...]
+    points: dict
+
+    @property
+    def max_score(self) -> float:
+        return float(sum(self.points.values()))
+
+
+def plan_for(notebook: str, visible_dir: Path | None, hidden_dir: Path | None = None) -> Plan:
+    visible, hidden = (tuple(p for p in ([Path(d) / f"{notebook}.py"] if d else []) if p.is_file())
+                       for d in (visible_dir, hidden_dir))
+    exercises: list[str] = []
+    points: dict[str, float] = {}
+    for path in visible + hidden:
+        for case in load_cases(path, hidden=path in hidden):
+            if case.exercise not in exercises:
+                exercises.append(case.exercise)
+            points[case.exercise] = points.get(case.exercise, 0.0) + case.points
+    return Plan(visible, hidden, tuple(exercises), points)
+
+
+def _results(exercise: str, plan: Plan, variant: dict) -> tuple[str, str, tuple[CheckResult, ...]]:
+    if "error" in variant:
+        return "fail", variant["error"], ()
+    out, statuses = [], []
+    for r in variant["results"]:
+        passed, status = r["status"] == "pass", r["status"]
+        statuses.append(status)
+        if passed:
+            message = "passes"
+        elif status == "not attempted":
+            message = "not attempted: replace the NotImplementedError in the exercise cell with your code"
+        else:
+            message = r["message"] or "fails"
+        out.append(CheckResult(f"{exercise}: {r['name']}", r["points"], r["points"] if passed else 0.0, passed,
+                               not r["hidden"], message))
+    if all(s == "not attempted" for s in statuses):
+        return "not attempted", "not attempted", tuple(out)
+    npass = statuses.count("pass")
+    status = "pass" if npass == len(statuses) else "partial" if npass else "fail"
+    failing = [r.name.split(": ", 1)[1] + ("" if r.visible else " (hidden)") for r in out if not r.passed]
+    return status, ("failing: " + ", ".join(failing)) if failing else "", tuple(out)
+
+
+def _zero(exercise: str, plan: Plan, status: str, reason: str) -> ExerciseGrade:
+    """Every test of `exercise` failed for one reason (no cell, a hang, a crash, the output cap)."""
+    cases = [(c, p in plan.hidden) for p in plan.visible + plan.hidden for c in load_cases(p, hidden=p in plan.hidden)
+             if c.exercise == exercise]
+    return ExerciseGrade(exercise, status, reason, tuple(
+        CheckResult(f"{exercise}: {c.name}", c.points, 0.0, False, not hidden, "" if hidden else reason)
+        for c, hidden in cases))
+
+
+def grade_exercises(nb, notebook: str, plan: Plan, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                    memory_bytes: int = 8 * 2**30, output_bytes: int = 50 * 2**20, isolation=None,
+                    private: tuple = (), kernel: str = "labkit", reveal_hidden: bool = False) -> list[ExerciseGrade]:
+    """Run every exercise of `plan` on the cells of `nb`; one ExerciseGrade each, never raises for student code."""
+    cells = exercise_cells(nb)
+    tests = payload_of(plan.visible, False) + payload_of(plan.hidden, True)
+    grades = []
+    for exercise in plan.exercises:
+        if exercise not in cells:
+            grades.append(_zero(exercise, plan, "missing", f"no exercise cell defines {exercise}; restore the "
+                                f"cell that starts with `# EXERCISE {exercise}` from the course notebook"))
+            continue
+        run = run_exercise(exercise, [cells[exercise]], tests, timeout_s=timeout_s, memory_bytes=memory_bytes,
+                           output_bytes=output_bytes, isolation=isolation, private=private, kernel=kernel,
+                           reveal_hidden=reveal_hidden)
+        if run.status != OK:
+            grades.append(_zero(exercise, plan, "error", run.reason))
+            continue
+        status, reason, results = _results(exercise, plan, run.variants[0])
+        grades.append(ExerciseGrade(exercise, status, reason, results) if results else
+                      _zero(exercise, plan, status, reason))
+    return grades
+
+
+def summary(grades: list[ExerciseGrade]) -> str:
+    """One line for the gradebook: every exercise's score, and why one got nothing."""
+    parts = []
+    for g in grades:
+        earned, possible = g.score, sum(r.points for r in g.results)
+        why = f" ({g.status}: {g.reason})" if g.status in ("error", "missing") else \
+            f" ({g.status})" if g.status == "not attempted" else ""
+        parts.append(f"{g.exercise} {earned:g}/{possible:g}{why}")
+    return "code: " + "; ".join(parts)
+
+
+def merge(grade, grades: list[ExerciseGrade]):
+    """`grade` (a gradebook row) with the code tests' results, points and a summary added."""
+    from dataclasses import replace
+
+    results = tuple(r for g in grades for r in g.results)
+    return replace(grade, score=grade.score + sum(r.earned for r in results),
+                   max_score=grade.max_score + sum(r.points for r in results),
+                   results=tuple(grade.results) + results,
+                   detail=f"{grade.detail}; {summary(grades)}" if grade.detail else summary(grades))
+
+
+def full_marks_problems(executed: str | Path, tests_dir: str | Path | None = None) -> list[str]:
+    """Why an executed SOURCE notebook does not get full marks (recorded checks + visible and hidden code
+    tests, hidden messages shown: this is for CI and authors); [] when it does."""
+    from labkit.grading.evaluate import GRADED, grade_notebook, load_notebook
+    from labkit.grading.evidence import identity
+    from labkit.grading.registry import checks_for
+    from labkit.errors import GradingError
+
+    nb = load_notebook(executed)
+    notebook = identity(nb) or Path(executed).stem
+    try:
+        checks = checks_for(notebook)
+    except GradingError:
+        checks = ()
+    tests = Path(tests_dir) if tests_dir else source_tests_dir()
+    grade = merge(grade_notebook(nb, notebook, checks),
+                  grade_exercises(nb, notebook, plan_for(notebook, tests, tests / "hidden"), reveal_hidden=True))
+    problems = [] if grade.status == GRADED else [f"{grade.status}: {grade.detail}"]
+    return problems + [f"{r.name}: {r.message}" for r in grade.results if not r.passed]

@@ -1,0 +1,122 @@
+"""Exercise cells of a notebook and their solution regions: find, validate, stub (`labkit assign`, grading).
+
+An exercise cell has cell metadata `{"labkit": {"exercise": "<id>"}}` (or, when a student's Jupyter lost it,
+a first line `# EXERCISE <id>: ...`) and defines `def <id>(...)`. Solution code sits between
+`# BEGIN SOLUTION` and `# END SOLUTION` lines inside a function body; `labkit assign` replaces each region by
+`raise NotImplementedError("exercise <id>: ...")` at the region's indent. In any code cell, a one-line
+answer `name = <expr>  # SOLUTION` becomes `name = None  # YOUR ANSWER` (otter-assign's convention).
+"""
+from __future__ import annotations
+
+import ast
+import re
+
+from labkit.errors import GradingError
+
+BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
+_HEADER = re.compile(r"#\s*EXERCISE\s+([A-Za-z_]\w*)")
+_ONE_LINE = re.compile(r"^(\s*)([A-Za-z_][\w.\[\]\"']*)\s*=\s*.+?\s*#\s*SOLUTION\s*$")
+
+
+class MarkerError(GradingError):
+    """Solution markers that `labkit assign` cannot stub safely (the message names cell and line)."""
+
+
+def exercise_id(cell) -> str | None:
+    """The exercise id of a code cell: its metadata, else its `# EXERCISE <id>` first line, else None."""
+    if cell.get("cell_type") != "code":
+        return None
+    meta = (cell.get("metadata") or {}).get("labkit") or {}
+    if isinstance(meta, dict) and isinstance(meta.get("exercise"), str):
+        return meta["exercise"]
+    lines = cell.get("source", "").lstrip().splitlines()
+    match = _HEADER.match(lines[0]) if lines else None
+    return match.group(1) if match else None
+
+
+def exercise_cells(nb) -> dict[str, str]:
+    """{exercise id: cell source} in notebook order (the first cell wins when an id repeats)."""
+    out: dict[str, str] = {}
+    for cell in nb.cells:
+        ex_id = exercise_id(cell)
+        if ex_id and ex_id not in out:
+            out[ex_id] = cell.source
+    return out
+
+
+def to_python(source: str) -> str:
+    """Cell source as plain Python: IPython magics (`%time`, `!ls`, `%%writefile`) transformed as IPython does."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    return TransformerManager().transform_cell(source)
+
+
+def _marker(line: str) -> str | None:
+    text = line.strip()
+    return "begin" if text == BEGIN else "end" if text == END else None
+
+
+def regions(source: str, where: str = "cell") -> list[tuple[int, int]]:
+    """(begin, end) line indices of every solution region; MarkerError for unbalanced or nested markers,
+    or a marker outside a function body."""
+    lines, out, start = source.splitlines(), [], None
+    for i, line in enumerate(lines):
+        kind = _marker(line)
+        if kind == "begin":
+            if start is not None:
+                raise MarkerError(f"{where}, line {i + 1}: {BEGIN} inside the region opened on line {start + 1}; "
+                                  f"close it with {END} first")
+            start = i
+        elif kind == "end":
+            if start is None:
+                raise MarkerError(f"{where}, line {i + 1}: {END} without a {BEGIN} above it")
+            out.append((start, i))
+            start = None
+    if start is not None:
+        raise MarkerError(f"{where}, line {start + 1}: {BEGIN} is never closed; add {END}")
+    if out:
+        _inside_functions(source, out, where)
+    return out
+
+
+def _inside_functions(source: str, found: list[tuple[int, int]], where: str) -> None:
+    try:
+        tree = ast.parse(to_python(source))
+    except SyntaxError as exc:
+        raise MarkerError(f"{where}: the cell is not valid Python ({exc.msg}, line {exc.lineno})") from exc
+    lines = source.splitlines()
+    indent = [len(line) - len(line.lstrip()) for line in lines]
+    defs = [(node.lineno, node.end_lineno, node.col_offset) for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for begin, end in found:
+        # A region starts after a `def` line, within its body, and both markers are indented under the def.
+        if not any(first < begin + 1 <= last and min(indent[begin], indent[end]) > col
+                   for first, last, col in defs):
+            raise MarkerError(f"{where}, line {begin + 1}: a solution region must sit inside a function body "
+                              "(the release replaces it by `raise NotImplementedError`, which must not run at import)")
+
+
+def stub(source: str, exercise: str | None, where: str = "cell") -> str:
+    """`source` with every solution region replaced by a NotImplementedError stub at the region's indent."""
+    found = regions(source, where)
+    lines = source.splitlines()
+    name = exercise or "this function"
+    for begin, end in reversed(found):
+        indent = re.match(r"\s*", lines[begin]).group(0)
+        raise_line = f'{indent}raise NotImplementedError("exercise {name}: write your code here")'
+        lines[begin:end + 1] = [raise_line]
+    out = "\n".join(_answer_stub(line) for line in lines)
+    return out + ("\n" if source.endswith("\n") else "")
+
+
+def _answer_stub(line: str) -> str:
+    match = _ONE_LINE.match(line)
+    return f"{match.group(1)}{match.group(2)} = None  # YOUR ANSWER" if match else line
+
+
+def solution_lines(source: str) -> list[str]:
+    """The lines `stub` removes (what must not appear in a release)."""
+    lines, out = source.splitlines(), []
+    for begin, end in regions(source):
+        out += [line for line in lines[begin + 1:end] if line.strip()]
+    return out + [line for line in lines if _ONE_LINE.match(line)]

@@ -1,0 +1,132 @@
+"""`spawn(fn, world=2, args=(), timeout=...)`: run a student's rank function on `world` fresh processes.
+
+Each process gets a gloo process group already initialised (env rendezvous on a free loopback port,
+`OMP_NUM_THREADS=1`) and calls `fn(rank, world, *args)`; `spawn` returns the per-rank return values.
+`fn` travels by value (cloudpickle), so a function defined in a notebook cell or a test file works.
+A rank that raises -> `ExerciseError` naming the rank and the error (the other ranks are killed: they
+would wait in a collective forever); a run that outlives `timeout` -> killed, `ExerciseError` says so.
+Every rank is its own session leader with the parent-death signal set, and is killed with its group, so
+no process survives `spawn`, even when the caller is killed (a kernel restart, the grader's timeout).
+GPU profiles may later use nccl with one GPU per rank; that branch is not written (CPU/gloo only).
+Introduced in notebook 03_ddp.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from labkit.course.exercises.cases import ExerciseError
+
+#: Default seconds before a spawned run is killed.
+DEFAULT_TIMEOUT_S = 120.0
+#: Seconds the other ranks get to finish after one rank failed, before they are killed.
+_FAIL_GRACE_S = 1.0
+_POLL_S = 0.05
+#: Characters of a rank's captured output relayed to the caller.
+_OUTPUT_CHARS = 20_000
+_ENTRY = "labkit.course.exercises._rank"
+
+
+def _child_env(rank: int, world: int, port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [p for p in [os.getcwd(), *sys.path] if p]
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)))
+    return env
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # each rank leads its own session/group
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        proc.wait()
+
+
+def _tail(path: Path, chars: int = _OUTPUT_CHARS) -> str:
+    if not path.exists():
+        return ""
+    with open(path, "rb") as fh:
+        size = fh.seek(0, os.SEEK_END)
+        fh.seek(max(0, size - chars))
+        return fh.read().decode("utf-8", "replace")
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float) -> tuple[int | None, bool]:
+    """Wait for every rank; (first failed rank or None, timed out?)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            grace = time.monotonic() + _FAIL_GRACE_S
+            while time.monotonic() < grace and any(p.poll() is None for p in procs):
+                time.sleep(_POLL_S)
+            return failed[0], False
+        if all(c == 0 for c in codes):
+            return None, False
+        time.sleep(_POLL_S)
+    return None, True
+
+
+def _rank_error(rank: int, work: Path, code: int | None) -> ExerciseError:
+    import cloudpickle
+
+    err_file = work / f"error_{rank}.pkl"
+    if err_file.exists():
+        kind, message, tb = cloudpickle.loads(err_file.read_bytes())
+        return ExerciseError(f"rank {rank} raised {kind}: {message}", rank=rank, traceback=tb,
+                             not_attempted=kind == "NotImplementedError")
+    out = _tail(work / f"rank_{rank}.log", 2000).strip()
+    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+    return ExerciseError(f"rank {rank} {how} without a Python error" + (f"; its last output:\n{out}" if out else ""),
+                         rank=rank, traceback=out)
+
+
+def spawn(fn: Callable, world: int = 2, args: tuple = (), timeout: float = DEFAULT_TIMEOUT_S) -> list:
+    """Run `fn(rank, world, *args)` on `world` gloo ranks; the list of per-rank return values."""
+    import cloudpickle
+
+    from labkit.launch import free_port
+
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ValueError(f"spawn world={world!r}; it must be a positive integer (2 in smoke)")
+    if not timeout > 0:
+        raise ValueError(f"spawn timeout={timeout!r}; it must be > 0 seconds")
+    name = getattr(fn, "__name__", repr(fn))
+    with tempfile.TemporaryDirectory(prefix="labkit-spawn-") as tmp:
+        work = Path(tmp)
+        (work / "payload.pkl").write_bytes(cloudpickle.dumps((fn, tuple(args))))
+        port = free_port()
+        procs = []
+        try:
+            for rank in range(world):
+                with open(work / f"rank_{rank}.log", "wb") as log:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-m", _ENTRY, str(work), str(os.getpid())], env=_child_env(rank, world, port),
+                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            failed, timed_out = _wait(procs, timeout)
+        finally:
+            _kill(procs)
+        if timed_out:
+            raise ExerciseError(f"spawn({name}, world={world}) was still running after {timeout:g} s and was "
+                                "killed: a rank waits for a collective another rank never calls, or loops forever")
+        if failed is not None:
+            # The rank whose error was written first is the cause; the others then lost their peer.
+            errors = sorted(work.glob("error_*.pkl"), key=lambda f: f.stat().st_mtime_ns)
+            first = int(errors[0].stem.split("_")[1]) if errors else failed
+            raise _rank_error(first, work, procs[first].returncode)
+        out = _tail(work / "rank_0.log")
+        if out:
+            print(out, end="" if out.endswith("\n") else "\n")
+        return [cloudpickle.loads((work / f"result_{r}.pkl").read_bytes()) for r in range(world)]

@@ -1,0 +1,153 @@
+"""`labkit grade` / `labkit check` on code exercises: a hostile corpus of tiny submissions (issue #15).
+
+One batch grades five students' cells of two exercises in the sandbox, one process per exercise: a right
+answer, a partly wrong one, a hang, a crash and a 100 MB print. Each bad exercise gets 0 and a reason; the
+other exercise of the same student is still graded; feedback never shows a hidden test's message or inputs.
+"""
+from __future__ import annotations
+
+import csv
+import textwrap
+
+import nbformat
+import pytest
+from click.testing import CliRunner
+from nbformat.v4 import new_code_cell, new_notebook
+
+from labkit.cli import cli
+from labkit.grading import registry
+from labkit.grading.batch import GradeOptions, run_batch
+from labkit.grading.checks import relation
+
+NB = "99_exercises"
+VISIBLE = '''
+from labkit.course.exercises import case
+
+@case("double", points=2)
+def small(double):
+    assert double(3) == 6, f"double(3) = {double(3)}, expected 6"
+
+@case("triple")
+def one(triple):
+    assert triple(1) == 3, f"triple(1) = {triple(1)}"
+'''
+HIDDEN = '''
+from labkit.course.exercises import case
+
+@case("double", points=3)
+def large(double):
+    assert double(987654) == 1975308, f"SECRET double(987654) = {double(987654)}"
+
+@case("triple")
+def negative(triple):
+    assert triple(-5) == -15, f"SECRET triple(-5)"
+'''
+RIGHT_TRIPLE = "def triple(x):\n    return 3 * x\n"
+
+
+def _cell(ex_id, body):
+    return new_code_cell(f"# EXERCISE {ex_id}: do it\n{textwrap.dedent(body)}", metadata={"labkit": {"exercise": ex_id}})
+
+
+def _notebook(double: str | None, triple: str = RIGHT_TRIPLE):
+    cells = [new_code_cell('PROFILE = "smoke"', metadata={"tags": ["parameters"]})]
+    if double is not None:
+        cells.append(_cell("double", double))
+    cells.append(_cell("triple", triple))
+    return new_notebook(cells=cells, metadata={"labkit": {"notebook": NB}})
+
+
+SUBMISSIONS = {
+    "good": _notebook("def double(x):\n    return 2 * x\n"),
+    "partial": _notebook("def double(x):\n    return 2 * x if x < 1000 else 0\n",
+                         "def triple(x):\n    raise NotImplementedError('exercise triple: write it')\n"),
+    "hang": _notebook("def double(x):\n    while True:\n        pass\n"),
+    "crash": _notebook("import os\n\ndef double(x):\n    os._exit(3)\n"),
+    "bigprint": _notebook("def double(x):\n    print('x' * 100_000_000)\n    return 2 * x\n"),
+    "nocell": _notebook(None),
+}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("exercises")
+    (root / "ag" / "visible").mkdir(parents=True)
+    (root / "ag" / "visible" / f"{NB}.py").write_text(VISIBLE)
+    (root / "ag" / f"{NB}.py").write_text(HIDDEN)
+    for student, nb in SUBMISSIONS.items():
+        (root / "subs" / student).mkdir(parents=True)
+        nbformat.write(nb, str(root / "subs" / student / f"{NB}.ipynb"))
+    registry.register(NB, (relation("always", 1, lambda ev: True),))
+    opts = GradeOptions(autograder=str(root / "ag"), exercise_timeout_s=8.0, workers=2)
+    result = run_batch(root / "subs", root / "out", opts)
+    yield root, {r.student: r for r in result.rows}
+    registry.unregister(NB)
+
+
+def test_every_exercise_gets_its_own_score_and_reason(graded):
+    root, rows = graded
+    assert {s: (r.status, r.score, r.max_score) for s, r in rows.items()} == {
+        "good": ("graded", 8, 8), "partial": ("graded", 3, 8), "hang": ("graded", 3, 8),
+        "crash": ("graded", 3, 8), "bigprint": ("graded", 3, 8), "nocell": ("graded", 3, 8)}
+    assert "double 2/5; triple 0/2 (not attempted)" in rows["partial"].detail
+    assert "double 0/5 (error: still running after 8 s" in rows["hang"].detail
+    assert "triple 2/2" in rows["hang"].detail  # the batch went on after the hang
+    assert "double 0/5 (error: the test process died (exit code 3)" in rows["crash"].detail
+    assert "double 0/5 (error: printed more than 50 MiB" in rows["bigprint"].detail
+    assert "double 0/5 (missing: no exercise cell defines double" in rows["nocell"].detail
+    with (root / "out" / "grades.csv").open() as fh:
+        assert len(list(csv.DictReader(fh))) == len(SUBMISSIONS)
+
+
+def test_feedback_names_a_failed_hidden_test_but_never_its_message_or_inputs(graded):
+    root, rows = graded
+    page = (root / "out" / "feedback" / "partial.html").read_text()
+    assert "double: large" in page and "double: small" in page
+    assert "SECRET" not in page and "987654" not in page and "1975308" not in page
+    assert not any("SECRET" in r.message for r in rows["partial"].results)
+    hidden = next(r for r in rows["partial"].results if r.name == "double: large")
+    assert not hidden.passed and not hidden.visible
+
+
+def test_check_lists_what_to_do_and_exits_1_then_0_when_done(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / f"{NB}.py").write_text(VISIBLE)
+    registry.register(NB, (relation("always", 1, lambda ev: True),))
+    try:
+        todo, done = tmp_path / "todo.ipynb", tmp_path / "done.ipynb"
+        nbformat.write(SUBMISSIONS["partial"], str(todo))
+        nbformat.write(SUBMISSIONS["good"], str(done))
+        out = CliRunner().invoke(cli, ["check", str(todo), "--timeout", "60"])
+        assert out.exit_code == 1, out.output
+        assert "code exercises: 1/2 pass their visible tests" in out.output
+        assert "TODO  triple: not attempted" in out.output
+        out = CliRunner().invoke(cli, ["check", str(done), "--timeout", "60"])
+        assert out.exit_code == 0, out.output
+        assert "PASS  double: 1/1 tests pass" in out.output and "SECRET" not in out.output
+    finally:
+        registry.unregister(NB)
+
+
+RANK_TEST = '''
+from labkit.course.exercises import case, spawn
+
+def _rank(rank, world, average):
+    import torch
+    return average(torch.tensor([float(rank)])).item()
+
+@case("average")
+def two_ranks(average):
+    assert spawn(_rank, world=2, args=(average,), timeout=60) == [0.5, 0.5]
+'''
+
+
+def test_multi_rank_code_runs_inside_the_grading_sandbox():
+    """spawn's gloo ranks rendezvous on the sandbox's loopback (own network namespace) under its memory cap."""
+    from labkit.course.exercises.runner import OK, run_exercise
+    from labkit.grading.isolation import detect
+
+    cell = "import torch.distributed as dist\n\ndef average(t):\n    dist.all_reduce(t)\n    return t / dist.get_world_size()\n"
+    run = run_exercise("average", [cell], [{"file": "t.py", "text": RANK_TEST, "hidden": True}], timeout_s=120,
+                       memory_bytes=8 * 2**30, output_bytes=2**20, isolation=detect())
+    assert run.status == OK, run.reason
+    assert run.variants[0]["results"][0]["status"] == "pass"

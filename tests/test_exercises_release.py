@@ -1,0 +1,83 @@
+"""`labkit assign`: the student release holds no solution, runs unattempted, and `labkit check` lists the work."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from conftest import stream_text
+from labkit import notebooks as nbk
+from labkit.cli import main
+from labkit.course.exercises.release import make_release
+from labkit.course.exercises.source import exercise_id, solution_lines
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT / "notebooks"
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    out = tmp_path_factory.mktemp("release")
+    return out, make_release(out, SOURCE)
+
+
+def test_the_release_holds_no_solution_line_and_no_hidden_test(release):
+    out, rel = release
+    assert rel.exercises and len(rel.notebooks) == len(list(SOURCE.glob("*.ipynb")))
+    for path in sorted(SOURCE.glob("*.ipynb")):
+        src, got = nbformat.read(path, 4), nbformat.read(out / "notebooks" / path.name, 4)
+        assert len(src.cells) == len(got.cells)
+        for i, (a, b) in enumerate(zip(src.cells, got.cells)):
+            if a.cell_type != "code":
+                continue
+            assert b.outputs == [] and b.execution_count is None
+            leaked = [line for line in solution_lines(a.source) if line.strip() in
+                      {x.strip() for x in b.source.splitlines()}]
+            assert not leaked, f"{path.name} cell {i + 1} keeps solution lines {leaked}"
+            assert "BEGIN SOLUTION" not in b.source and "# SOLUTION" not in b.source
+            if exercise_id(a):
+                assert f'raise NotImplementedError("exercise {exercise_id(a)}: ' in b.source
+    hidden = {p.name for p in (SOURCE / "tests" / "hidden").glob("*.py")}
+    assert {p.name for p in (out / "autograder").glob("*.py")} == hidden
+    assert not list((out / "notebooks").rglob("hidden"))
+    assert {p.name for p in (out / "notebooks" / "tests").glob("*.py")} == \
+        {p.name for p in (SOURCE / "tests").glob("*.py")} == {p.name for p in (out / "autograder" / "visible").glob("*.py")}
+
+
+@pytest.mark.parametrize("source, error", [
+    ("def f():\n    # BEGIN SOLUTION\n    return 1\n", "BEGIN SOLUTION is never closed"),
+    ("def f():\n    return 1\n    # END SOLUTION\n", "END SOLUTION without a # BEGIN SOLUTION"),
+    ("def f():\n    # BEGIN SOLUTION\n    # BEGIN SOLUTION\n    return 1\n    # END SOLUTION\n", "inside the region"),
+    ("# BEGIN SOLUTION\nx = 1\n# END SOLUTION\n", "must sit inside a function body"),
+])
+def test_assign_refuses_bad_markers_in_one_line(tmp_path, capsys, source, error):
+    (tmp_path / "src").mkdir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
+    nbformat.write(nb, str(tmp_path / "src" / "01_x.ipynb"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["assign", "--out", str(tmp_path / "out"), "--source", str(tmp_path / "src")])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1
+    assert "01_x.ipynb cell 1, line" in err and error in err
+    assert not (tmp_path / "out" / "notebooks").exists()  # nothing written
+
+
+def test_assign_never_overwrites_the_source(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["assign", "--out", str(ROOT), "--source", str(SOURCE)])
+    assert exit_.value.code == 2 and "would overwrite the source notebooks" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_released_memory_lab_runs_unattempted_and_check_lists_the_exercises(release, capsys):
+    out, rel = release
+    run = nbk.run_notebook(out / "notebooks" / "01_memory.ipynb", out_dir=out / "executed")
+    assert run.ok, f"{run.describe()}\n{run.traceback[-3000:]}"
+    text = "".join(stream_text(c) for c in nbformat.read(run.output, 4).cells)
+    assert "model_state_bytes: not attempted" in text and "not attempted yet: exercise measure_state_bytes" in text
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", str(run.output), "--tests", str(out / "notebooks" / "tests")])
+    report = capsys.readouterr().out
+    assert exit_.value.code == 1
+    assert "TODO  model_state_bytes: not attempted" in report and "TODO  measure_state_bytes: not attempted" in report

@@ -1,0 +1,198 @@
+"""The exercise runtime (labkit.course.exercises): cases, check/attempt, spawn (issue #15)."""
+from __future__ import annotations
+
+import re
+import textwrap
+
+import pytest
+
+from conftest import live_children
+from labkit.course import exercises as ex
+
+TESTS = textwrap.dedent('''
+    from labkit.course.exercises import case, spawn
+
+    def _rank_sum(rank, world, square):
+        import torch, torch.distributed as dist
+        t = torch.tensor([float(square(rank + 1))])
+        dist.all_reduce(t)
+        return t.item()
+
+    @case("square", points=2)
+    def small_numbers(square):
+        assert square(3) == 9, f"square(3) = {square(3)}, expected 9"
+
+    @case("square")
+    def negative(square):
+        assert square(-2) == 4
+
+    @case("square")
+    def on_two_ranks(square):
+        assert spawn(_rank_sum, world=2, args=(square,)) == [5.0, 5.0]
+
+    @case("other")
+    def not_mine(other):
+        raise AssertionError("never run for square")
+''')
+
+
+@pytest.fixture
+def tests_dir(tmp_path, monkeypatch):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "01_x.py").write_text(TESTS)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "tests"
+
+
+def test_case_rejects_a_bad_id_and_points():
+    with pytest.raises(ValueError, match="function's name"):
+        ex.case("not an id")
+    with pytest.raises(ValueError, match="points must be > 0"):
+        ex.case("square", points=0)
+
+
+def test_check_finds_the_visible_tests_beside_the_notebook_and_runs_them(tests_dir, capsys):
+    """One spawn in the right answer's run: the tests of `square` only, the multi-rank one included."""
+    def square(x):
+        return x * x
+
+    ex.check(square)
+    out = capsys.readouterr().out
+    assert "square: 3/3 tests pass" in out
+    assert "PASS small_numbers (2 pts)" in out and "PASS on_two_ranks (1 pt)" in out
+    assert "not_mine" not in out
+
+
+def test_check_reports_failures_with_their_message_and_a_stub_as_not_attempted(tests_dir, capsys):
+    def square(x):
+        return abs(x) * 2  # right for +-2 only
+
+    results = ex.run_cases(square, [c for c in ex.load_cases(tests_dir / "01_x.py") if c.name != "on_two_ranks"
+                                    and c.exercise == "square"])
+    assert [r.status for r in results] == ["fail", "pass"]
+    assert "square(3) = 6, expected 9" in results[0].message
+
+    def square(x):  # noqa: F811 - the release's stub
+        raise NotImplementedError("exercise square: return x squared")
+
+    ex.check(square, tests=tests_dir / "01_x.py")
+    assert "square: not attempted (exercise square: return x squared)" in capsys.readouterr().out
+
+
+def test_a_bare_assert_names_its_line_and_a_hidden_failure_hides_its_message(tmp_path):
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "01_x.py").write_text("from labkit.course.exercises import case\n"
+                                    "@case('square')\ndef secret(square):\n    assert square(12345) == 152399025\n"
+                                    "MUTANTS = {'square': [('x * x', 'x + x')]}\n")
+    cases = ex.load_cases(hidden / "01_x.py")
+    assert cases[0].hidden
+    results = ex.run_cases(lambda x: 0, cases)
+    assert "01_x.py:4: assert square(12345) == 152399025" in results[0].message
+    text = ex.report("square", results)
+    assert "FAIL hidden test secret" in text and "12345" not in text
+    assert ex.load_mutants(hidden / "01_x.py") == {"square": [("x * x", "x + x")]}
+
+
+def test_check_without_tests_says_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ex.ExerciseError, match="no tests/ folder beside this notebook"):
+        ex.check(lambda x: x)
+
+
+def test_attempt_returns_none_on_the_stub_and_reraises_real_errors(capsys):
+    def stub():
+        raise NotImplementedError("exercise f: write it")
+
+    assert ex.attempt(stub) is None
+    assert "not attempted yet: exercise f: write it" in capsys.readouterr().out
+    assert ex.attempt(lambda a, b=0: a + b, 1, b=2) == 3
+    with pytest.raises(ZeroDivisionError):
+        ex.attempt(lambda: 1 / 0)
+
+
+def _rank_fails(rank, world):
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("rank one is wrong")
+    dist.barrier()  # rank 0 would wait here forever: spawn must kill it
+
+
+def _rank_stub(rank, world):
+    raise NotImplementedError("exercise f: write it")
+
+
+def _rank_hangs(rank, world):
+    import torch.distributed as dist
+
+    if rank == 0:
+        dist.barrier()  # rank 1 never joins
+
+
+def test_spawn_names_the_failing_rank_and_its_error_and_leaves_no_process():
+    with pytest.raises(ex.ExerciseError, match=r"rank 1 raised ValueError: rank one is wrong") as info:
+        ex.spawn(_rank_fails, world=2, timeout=60)
+    assert info.value.rank == 1 and "raise ValueError" in info.value.traceback
+    assert not info.value.not_attempted
+    assert live_children() == []
+
+
+def test_spawn_marks_a_stub_in_a_rank_as_not_attempted(capsys):
+    assert ex.attempt(ex.spawn, _rank_stub, world=2, timeout=60) is None
+    assert re.search(r"not attempted yet: rank [01] raised NotImplementedError: exercise f: write it",
+                     capsys.readouterr().out)
+
+
+def test_spawn_kills_a_hung_run_at_the_timeout():
+    with pytest.raises(ex.ExerciseError, match=r"still running after 4 s and was killed"):
+        ex.spawn(_rank_hangs, world=2, timeout=4)
+    assert live_children() == []
+
+
+def test_spawn_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="world=0"):
+        ex.spawn(_rank_stub, world=0)
+    with pytest.raises(ValueError, match="timeout=0"):
+        ex.spawn(_rank_stub, timeout=0)
+
+
+# ---------------------------------------------------------------- exercise cells and their markers
+CELL = '''# EXERCISE halve: halve it
+%time import math
+
+def halve(x):
+    """Half of x."""
+    # BEGIN SOLUTION
+    y = x / 2
+    return y
+    # END SOLUTION
+
+answer_value = 42  # SOLUTION
+'''
+
+
+def test_stub_replaces_each_region_at_its_indent_and_one_line_answers_by_none():
+    from labkit.course.exercises.source import solution_lines, stub
+
+    out = stub(CELL, "halve")
+    assert '    """Half of x."""\n    raise NotImplementedError("exercise halve: write your code here")\n' in out
+    assert "answer_value = None  # YOUR ANSWER" in out
+    assert not any(line in out for line in solution_lines(CELL))
+    assert solution_lines(CELL) == ["    y = x / 2", "    return y", "answer_value = 42  # SOLUTION"]
+
+
+def test_exercise_cells_come_from_metadata_or_the_header_line_and_magics_run_as_python():
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    from labkit.course.exercises.source import exercise_cells, to_python
+
+    nb = new_notebook(cells=[new_code_cell(CELL), new_code_cell("def g():\n    pass", metadata={"labkit": {"exercise": "g"}}),
+                             new_code_cell("x = 1")])
+    assert list(exercise_cells(nb)) == ["halve", "g"]
+    namespace = {}
+    from IPython.testing.globalipapp import start_ipython  # get_ipython() for the %time line
+
+    start_ipython()
+    exec(to_python(CELL), namespace)
+    assert namespace["halve"](3) == 1.5
