@@ -4,7 +4,8 @@ The compare cells of notebooks 04 and 05 run a student's FSDP wrapping or ZeRO-1
 strategy, loss for loss. That only means something if everything else is the same: the preset's
 initial weights (its seed), the same global batches (each rank its DistributedSampler share, as
 `labkit.train.data.StepLoader` hands them out), the same AdamW and learning rate, the loss averaged
-over the ranks. `train_llm` is that loop, written out in ~30 lines so a student can read it whole.
+over the ranks: `replay.library_parts` builds them, `train_llm` is the loop, short enough to read whole.
+`zero1_vs_adamw` and `state_bytes` are what notebook 04's ZeRO-1 tests and compare cell measure with.
 Introduced in notebook 04_fsdp.
 """
 from __future__ import annotations
@@ -17,50 +18,28 @@ import torch.distributed as dist
 from torch import nn
 
 
-def make_config(strategy: str, model: str, **options):
-    """The resolved TrainConfig `labkit.train.run(strategy, model, **options)` would train."""
-    from labkit.train.api import make_config as _make
+def train_llm(rank: int, world: int, strategy: str, model: str, *,
+              parallelize: Callable[[nn.Module], nn.Module] | None = None,
+              step: Callable[[list], None] | None = None, **options) -> dict:
+    """Train as `run(strategy, model, nproc=world, **options)` does, on this rank (call on every rank).
 
-    return _make(strategy, model, **options)
-
-
-def rank_device(cfg, rank: int) -> torch.device:
-    """CPU in smoke; one GPU per rank on a GPU profile (written blind: unverified on hardware)."""
-    from labkit.profiles import get_profile
-
-    if get_profile(cfg.profile).device == "cuda":
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def train_llm(cfg, rank: int, world: int, *, parallelize: Callable[[nn.Module], nn.Module] | None = None,
-              step: Callable[[list], None] | None = None) -> dict:
-    """Train cfg.model for cfg.steps steps on this rank's share of every global batch (call on every rank).
-
-    `parallelize(model)` shards or wraps the model (e.g. the student's `shard_model`); `step(params)`
-    replaces `AdamW.step()` (e.g. the student's ZeRO-1 step, which must also average the gradients).
-    Without `step`, gradients must be averaged by the parallelized model itself (FSDP, DDP).
-    Returns {"losses": global mean loss per step (the record's `losses`), "params": trainable numel}.
+    `parallelize(model)` shards or wraps the single-device model (e.g. the student's `shard_model`);
+    `step(params)` replaces AdamW's step (e.g. the student's ZeRO-1 step, which also averages the
+    gradients). Without `step` the parallelized model must average the gradients itself (FSDP, DDP).
+    Returns {"losses": the global mean loss per step (the record's `losses`), "params": trainable numel}.
     """
-    from labkit.models import build_llm
+    from labkit.course.exercises.replay import library_parts
     from labkit.optim import build_optimizer
-    from labkit.train.data import StepLoader, build_datasets, make_task
-    from labkit.train.loop import seed_everything
 
-    seed_everything(cfg.seed)
-    device = rank_device(cfg, rank)
-    task = make_task(cfg)
-    model = build_llm(cfg.model, seed=cfg.seed).to(device)
-    if parallelize is not None:
-        model = parallelize(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = None if step is not None else build_optimizer("adamw", params, cfg.lr)
-    train_set, _ = build_datasets(cfg, task)
-    loader = iter(StepLoader(train_set, global_batch=cfg.batch, dp_rank=rank, dp_size=world, seed=cfg.seed))
+    parts = library_parts(strategy, model, dp_rank=rank, dp_size=world, nproc=world, **options)
+    net = parallelize(parts.model) if parallelize is not None else parts.model
+    params = [p for p in net.parameters() if p.requires_grad]
+    # fully_shard replaces the parameters by DTensors: the optimizer is built on what the model now holds
+    optimizer = None if step is not None else build_optimizer(parts.cfg.optimizer or "adamw", params, parts.cfg.lr)
     losses = []
-    for _ in range(cfg.steps):
-        inputs, targets = (t.to(device) for t in next(loader))
-        loss = task.loss(model, inputs, targets)  # mean over this rank's tokens, fp32
+    for _ in range(parts.cfg.steps):
+        inputs, targets = next(parts.batches)
+        loss = parts.task.loss(net, inputs, targets)  # mean over this rank's tokens, fp32
         loss.backward()
         if step is not None:
             step(params)
@@ -69,7 +48,7 @@ def train_llm(cfg, rank: int, world: int, *, parallelize: Callable[[nn.Module], 
         for p in params:
             p.grad = None
         losses.append(loss.detach())
-    mean = torch.stack(losses).to(device)
+    mean = torch.stack(losses)
     dist.all_reduce(mean)  # the record's losses: every rank's local mean, averaged
     return {"losses": (mean / world).tolist(), "params": sum(p.numel() for p in params)}
 
