@@ -23,3 +23,20 @@ def test_without_checkpointing_memory_grows_linearly_with_depth():
 def test_a_segment_count_outside_the_chain_is_refused():
     with pytest.raises(ValueError, match="segments=9"):
         measure_segments(8, segments=(9,))
+
+
+def test_saved_bytes_sees_a_checkpointed_block_keep_only_its_input():
+    import torch
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    from labkit.memory.sqrt_checkpointing import saved_bytes
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).requires_grad_(False)
+    x = torch.randn(32, 64, requires_grad=True)
+    out, plain = saved_bytes(block, x)
+    out2, kept = saved_bytes(checkpoint, block, x, use_reentrant=False)
+    assert torch.equal(out, out2)
+    assert kept == x.numel() * 4  # only the input
+    assert plain > 4 * kept  # input, the hidden pre- and post-GELU, the weights

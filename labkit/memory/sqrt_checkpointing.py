@@ -50,6 +50,24 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+def saved_bytes(fn, *args, **kwargs):
+    """(fn(*args, **kwargs), bytes of the tensors autograd saved for backward during the call).
+
+    Counts each storage once through `torch.autograd.graph.saved_tensors_hooks`: what a forward keeps
+    alive until backward. Non-reentrant checkpointing keeps its own (inner) hooks, so a checkpointed
+    block shows only its input here. Used by notebook 02_single_gpu's checkpointing exercise."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args, **kwargs)
+    return out, sum(seen.values())
+
+
 @dataclass(frozen=True)
 class SegmentPeak:
     segments: int

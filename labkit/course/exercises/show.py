@@ -1,8 +1,8 @@
-"""`show_source(obj)`: print the source of the real transform a lab uses ("open the box", issue #15).
+"""`show_source(obj)`: "open the box" -- print the real source of the transform a lab uses (issue #15).
 
-A notebook cell shows e.g. `apply_tensor` or torch's `ScheduleGPipe._step_microbatches` before the
-student writes the same thing by hand, so the library call is no longer opaque. Introduced in
-notebook 07_model_parallel.
+A lab's exercise section shows e.g. `apply_fsdp`, `apply_tensor` or torch's
+`ScheduleGPipe._step_microbatches` right before the student writes the same lines by hand, so the
+library call is no longer opaque. Highlighted in Jupyter, plain text elsewhere.
 """
 from __future__ import annotations
 
@@ -22,5 +22,14 @@ def source_of(obj) -> str:
 
 
 def show_source(obj) -> None:
-    """Print `source_of(obj)` (in a notebook: the function the lab's registry call really runs)."""
-    print(source_of(obj))
+    """Display `source_of(obj)`: highlighted Python in a Jupyter kernel, printed text elsewhere."""
+    text = source_of(obj)
+    try:
+        from IPython import get_ipython
+        from IPython.display import Code, display
+    except ImportError:
+        get_ipython = None
+    if get_ipython is not None and get_ipython() is not None:
+        display(Code(text, language="python"))
+    else:
+        print(text)

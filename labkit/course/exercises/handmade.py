@@ -1,0 +1,106 @@
+"""Train the profile's LLM the way `labkit.train.run` does, with a student's hand-made parallel code inside.
+
+The compare cells of notebooks 04 and 05 run a student's FSDP wrapping or ZeRO-1 step beside labkit's
+strategy, loss for loss. That only means something if everything else is the same: the preset's
+initial weights (its seed), the same global batches (each rank its DistributedSampler share, as
+`labkit.train.data.StepLoader` hands them out), the same AdamW and learning rate, the loss averaged
+over the ranks: `replay.library_parts` builds them, `train_llm` is the loop, short enough to read whole.
+`zero1_vs_adamw` and `state_bytes` are what notebook 04's ZeRO-1 tests and compare cell measure with.
+Introduced in notebook 04_fsdp.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def train_llm(rank: int, world: int, strategy: str, model: str, *,
+              parallelize: Callable[[nn.Module], nn.Module] | None = None,
+              step: Callable[[list], None] | None = None, **options) -> dict:
+    """Train as `run(strategy, model, nproc=world, **options)` does, on this rank (call on every rank).
+
+    `parallelize(model)` shards or wraps the single-device model (e.g. the student's `shard_model`);
+    `step(params)` replaces AdamW's step (e.g. the student's ZeRO-1 step, which also averages the
+    gradients). Without `step` the parallelized model must average the gradients itself (FSDP, DDP).
+    Returns {"losses": the global mean loss per step (the record's `losses`), "params": trainable numel}.
+    """
+    from labkit.course.exercises.replay import library_parts
+    from labkit.optim import build_optimizer
+
+    parts = library_parts(strategy, model, dp_rank=rank, dp_size=world, nproc=world, **options)
+    net = parallelize(parts.model) if parallelize is not None else parts.model
+    params = [p for p in net.parameters() if p.requires_grad]
+    # fully_shard replaces the parameters by DTensors: the optimizer is built on what the model now holds
+    optimizer = None if step is not None else build_optimizer(parts.cfg.optimizer or "adamw", params, parts.cfg.lr)
+    losses = []
+    for _ in range(parts.cfg.steps):
+        inputs, targets = next(parts.batches)
+        loss = parts.task.loss(net, inputs, targets)  # mean over this rank's tokens, fp32
+        loss.backward()
+        if step is not None:
+            step(params)
+        else:
+            optimizer.step()
+        for p in params:
+            p.grad = None
+        losses.append(loss.detach())
+    mean = torch.stack(losses)
+    dist.all_reduce(mean)  # the record's losses: every rank's local mean, averaged
+    return {"losses": (mean / world).tolist(), "params": sum(p.numel() for p in params)}
+
+
+def state_bytes(obj, seen: set | None = None) -> int:
+    """Bytes of every tensor reachable from `obj` (tensors, optimizers with their states and params,
+    dicts, lists), each storage counted once: what a ZeRO-1 state dict costs a rank."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        key = obj.untyped_storage().data_ptr()
+        if key in seen:
+            return 0
+        seen.add(key)
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, torch.optim.Optimizer):
+        return state_bytes([list(s.values()) for s in obj.state.values()], seen) + \
+            state_bytes([g["params"] for g in obj.param_groups], seen)
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(item, seen) for item in obj)
+    return 0
+
+
+def zero1_vs_adamw(rank: int, world: int, zero1_step: Callable, steps: int = 3, weight_decay: float = 0.0) -> dict:
+    """Rank function of notebook 04's ZeRO-1 tests: a small MLP trained 3 ways on this rank's own data --
+    plain AdamW on the gradients averaged over the ranks (the reference, what DDP + AdamW does),
+    `zero1_step` over all ranks, and `zero1_step` on a one-rank group (nothing sharded). Returns the
+    flat parameters of each and the state bytes of both `zero1_step` runs."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))  # 227 params
+    sharded, alone = copy.deepcopy(ref), copy.deepcopy(ref)
+    solo_groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    gen = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(8, 10, generator=gen), torch.randn(8, 3, generator=gen)) for _ in range(steps)]
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=weight_decay)
+    states = {"sharded": {}, "alone": {}}
+    for x, y in batches:
+        for model in (ref, sharded, alone):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        for p in ref.parameters():  # what DDP does before a plain optimizer step
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        zero1_step(list(sharded.parameters()), states["sharded"], lr=0.05, weight_decay=weight_decay)
+        alone_params = list(alone.parameters())
+        for p in alone_params:  # the one-rank run: average the gradients first, as for the reference
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        zero1_step(alone_params, states["alone"], lr=0.05, weight_decay=weight_decay, group=solo_groups[rank])
+        for model in (ref, sharded, alone):
+            model.zero_grad(set_to_none=True)
+    flat = lambda m: torch.nn.utils.parameters_to_vector(m.parameters()).detach()  # noqa: E731
+    return {"ref": flat(ref), "sharded": flat(sharded), "alone": flat(alone),
+            "bytes_sharded": state_bytes(states["sharded"]), "bytes_alone": state_bytes(states["alone"])}
