@@ -57,12 +57,13 @@ class DDPStrategy(Strategy):
         # inside it DDP only accumulates locally, and the last micro-batch's backward reduces the sum.
         return self.model.no_sync()
 
-    def record_extra(self) -> dict:
+    def record_facts(self) -> dict:
+        from labkit.facts import CommFacts
         # Gradient bytes each step's all-reduce moves per rank (ring): 2 (N-1)/N x S.
         n = self.ctx.world_size
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        return {**super().record_extra(), "allreduce_bytes_per_rank": int(2 * (n - 1) / n * grad_bytes),
-                "bucket_cap_mb": 25}
+        return {**super().record_facts(), "comm": CommFacts(all_reduce=int(2 * (n - 1) / n * grad_bytes),
+                                                            bucket_cap_mb=25)}
 
 
 STRATEGY_CLASSES = {"ddp": DDPStrategy}

@@ -16,6 +16,7 @@ frozen base is rebuilt from its seed or checkpoint. Introduced in notebook 06_pe
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass
@@ -343,18 +344,18 @@ class LoraStrategy(Strategy):
         adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return (4.0 * frozen + 6.0 * adapters) * global_tokens
 
-    def record_extra(self) -> dict:
+    def record_facts(self) -> dict:
+        from labkit.facts import PeftFacts
         trainable, total = trainable_counts(self.model)
         settings = LoraSettings.of(self.cfg)
-        return {**super().record_extra(), "lora_rank": settings.rank, "lora_alpha": settings.alpha,
-                "lora_dropout": settings.dropout,
-                "lora_targets": sorted(_unwrap(self.model).peft_config["default"].target_modules),
-                "trainable_fraction": trainable / total, "total_params": total,
-                "lora_parallel": self.cfg.lora_parallel if self.ctx.world_size > 1 else None,
-                **self._adapter_facts()}
+        return {**super().record_facts(), "peft": PeftFacts(
+            lora_rank=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+            lora_targets=sorted(_unwrap(self.model).peft_config["default"].target_modules),
+            trainable_fraction=trainable / total, total_params=total,
+            lora_parallel=self.cfg.lora_parallel if self.ctx.world_size > 1 else None, **self._adapter_facts())}
 
     def evaluate(self, batches: list) -> dict | None:
-        # The one phase after training that every rank enters (record_extra runs on rank 0 alone), so
+        # The one phase after training that every rank enters (record_facts runs on rank 0 alone), so
         # the adapter is saved here: FSDP gathers its shards collectively.
         result = super().evaluate(batches)
         self.save_adapters()
@@ -423,11 +424,13 @@ class QLoraStrategy(LoraStrategy):
         wb = weight_bytes(self.model)
         return base._replace(param=base.param + wb["quant_state"])
 
-    def record_extra(self) -> dict:
+    def record_facts(self) -> dict:
+        facts = super().record_facts()
         wb = weight_bytes(self.model)
-        return {**super().record_extra(), "quant_type": "nf4", "double_quant": True,
-                "compute_dtype": "bfloat16" if self.amp == "bf16" else "float16", "quant_blocksize": 64,
-                "weight_bytes": wb, "weight_ratio_vs_bf16": wb["total"] / wb["bf16_equivalent"]}
+        return {**facts, "peft": dataclasses.replace(
+            facts["peft"], quant_type="nf4", double_quant=True, quant_blocksize=64,
+            compute_dtype="bfloat16" if self.amp == "bf16" else "float16",
+            weight_bytes=wb, weight_ratio_vs_bf16=wb["total"] / wb["bf16_equivalent"])}
 
 
 def _is_sharded(model: nn.Module) -> bool:

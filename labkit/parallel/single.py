@@ -246,10 +246,10 @@ class Strategy:
             model = getattr(model, attr, model)
         return model
 
-    def record_extra(self) -> dict:
-        """Strategy-specific facts for RunRecord.extra (JSON data); overrides extend super()'s."""
+    def record_facts(self) -> dict:
+        """{RunRecord field: labkit.facts dataclass} of this strategy; overrides extend super()'s."""
         from labkit.optim import facts
-        return facts(self.optimizer)
+        return {"optim": facts(self.optimizer)}
 
     def close(self) -> None:
         """Release strategy resources (engines, extra groups)."""
@@ -264,6 +264,10 @@ class SingleStrategy(Strategy):
     def __init__(self, name, ctx, cfg, task):
         super().__init__(name, ctx, cfg, task)
         self.dp_rank, self.dp_size = 0, 1
+
+    def record_facts(self) -> dict:
+        from labkit.facts import CommFacts
+        return {**super().record_facts(), "comm": CommFacts()}  # one process: nothing is sent
 
 
 STRATEGY_CLASSES = {"single": SingleStrategy}

@@ -5,6 +5,7 @@ the answer keys are listed in docs/model_parallel.md ("Grading keys").
 """
 from __future__ import annotations
 
+from labkit.facts import PipelineFacts
 from labkit.grading.checks import (answer_close, answer_equals, bytes_below, cell_ran, figure_present,
                                    losses_agree, relation)
 from labkit.grading.evidence import CheckFailed, Evidence
@@ -44,7 +45,7 @@ def _layout_fits(ev: Evidence):
 
 def _1f1b_holds_fewer(ev: Evidence):
     # The measured schedules: 1F1B caps stage 0's in-flight micro-batches at p, GPipe holds all m.
-    g, f = (ev.run(k).extra.get("max_in_flight") for k in ("gpipe", "1f1b"))
+    g, f = ((ev.run(k).pipeline or PipelineFacts()).max_in_flight for k in ("gpipe", "1f1b"))
     if not g or not f:
         raise CheckFailed("the pipeline runs carry no measured schedule; re-run section 1")
     return f[0] < g[0], f"stage 0 held at most {f[0]} micro-batches under 1F1B, {g[0]} under GPipe"
