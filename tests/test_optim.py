@@ -44,7 +44,7 @@ def test_every_optimizer_steps_and_reports_its_name(name):
     _steps(p, opt, 2)
     assert not torch.equal(before, p.detach())
     assert optim.optimizer_name(opt) == name
-    assert optim.facts(opt)["optimizer"] == name
+    assert optim.facts(opt).name == name
 
 
 def test_adamw_8bit_follows_adamw_with_a_quarter_of_the_state():
