@@ -139,7 +139,8 @@ def state_bits(optimizer: torch.optim.Optimizer) -> dict[str, int]:
     return counts
 
 
-def facts(optimizer: torch.optim.Optimizer) -> dict:
-    """JSON facts for a run record's `extra`: name, paged for real, parameters per state width."""
-    return {"optimizer": optimizer_name(optimizer), "optimizer_paged": is_paged(optimizer),
-            "optimizer_state_bits": state_bits(optimizer)}
+def facts(optimizer: torch.optim.Optimizer):
+    """A run record's `optim` facts: name, paged for real, parameters per state width."""
+    from labkit.facts import OptimizerFacts
+    return OptimizerFacts(name=optimizer_name(optimizer), paged=is_paged(optimizer),
+                          state_bits=state_bits(optimizer))

@@ -1,8 +1,17 @@
 """One schema for every measured run, on disk (JSONL) and inside executed notebooks.
 
-Every strategy's run produces one `RunRecord`; rank 0 appends it to `<out>/results.jsonl`.
+Every strategy's run produces one `RunRecord`; rank 0 appends it to `<out>/results.jsonl`. Beside the
+numbers every run has, a record carries typed facts (`labkit.facts`): `record.train` always, and the
+groups its strategy records (`record.comm`, `record.sharding`, `record.pipeline`, `record.peft`, ...,
+None when not recorded). Records of schema 1 (a flat `extra` dict) still load: their keys are mapped
+onto the groups; a record from a newer labkit is a one-line error naming the file.
+
 Notebooks call `show(record)` / `answer(key, value)`, which put the data into the cell output under
-the MIME type `application/vnd.labkit+json`, so grading reads data, never printed text.
+the MIME type `application/vnd.labkit+json`, so grading reads data, never printed text. The payload
+passes through the publishers registered with `register_publisher(name, fn)` first: the course layer
+seals it (`labkit.grading.fingerprint.seal`). This module never imports the course layer: the package
+root (`labkit/__init__.py`) registers the seal, importing `labkit.grading` only when a notebook first
+publishes, and `import labkit.grading` registers it too; so a notebook needs no extra line.
 Introduced in notebook 02_single_gpu.
 """
 from __future__ import annotations
@@ -14,12 +23,14 @@ import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
+from labkit import facts as F
 from labkit.errors import ConfigError
 
 MIME = "application/vnd.labkit+json"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: typed facts groups (`labkit.facts`); 1: a flat `extra` dict (still loads)."""
 
 
 @dataclass(frozen=True)
@@ -49,8 +60,20 @@ class RunRecord:
     mfu: float = 0.0
     cpu_offload_bytes: list[int] = field(default_factory=list)
     """Bytes a strategy moved to host memory per rank (offload), 0 where nothing was offloaded."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Strategy-specific facts (config paths, bubble fraction, comm volume, ...)."""
+    train: F.TrainFacts = field(default_factory=F.TrainFacts)
+    comm: F.CommFacts | None = None
+    """Bytes per rank per step by collective; None where the strategy does not model its traffic."""
+    optim: F.OptimizerFacts | None = None
+    sharding: F.ShardingFacts | None = None
+    memory: F.MemoryFacts | None = None
+    pipeline: F.PipelineFacts | None = None
+    tensor: F.TensorFacts | None = None
+    context: F.ContextFacts | None = None
+    expert: F.ExpertFacts | None = None
+    peft: F.PeftFacts | None = None
+    accelerate: F.AccelerateFacts | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+    """Free-form notes nothing reads by name (and schema-1 `extra` keys no facts group knows)."""
     versions: dict[str, str] = field(default_factory=dict)
     timestamp: str = ""
     schema: int = SCHEMA_VERSION
@@ -61,6 +84,13 @@ class RunRecord:
             if len(values) != self.world_size:
                 raise ConfigError(f"RunRecord.{name} has {len(values)} entries for world_size="
                                   f"{self.world_size}; give one value per rank")
+        for group, facts_cls in F.GROUPS.items():  # JSON data (from_dict, a test) becomes the typed facts
+            value = getattr(self, group)
+            if isinstance(value, dict):
+                object.__setattr__(self, group, F.build(facts_cls, value))
+            elif value is not None and not isinstance(value, facts_cls):
+                raise ConfigError(f"RunRecord.{group} is a {type(value).__name__}; give a "
+                                  f"labkit.facts.{facts_cls.__name__}")
         if not self.timestamp:
             object.__setattr__(self, "timestamp", _dt.datetime.now(_dt.timezone.utc).isoformat())
         if not self.versions:
@@ -71,6 +101,15 @@ class RunRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunRecord":
+        """A record from its `to_dict()` data, schema 1 (flat `extra`, the default when absent) or 2."""
+        data = dict(data)
+        schema = data.get("schema", 1)
+        if not isinstance(schema, int) or schema > SCHEMA_VERSION:
+            raise ConfigError(f"RunRecord schema {schema!r} is newer than this labkit's ({SCHEMA_VERSION}); "
+                              "upgrade labkit (pip install -U labkit) to read it")
+        if schema == 1:
+            groups, notes = F.from_legacy(data.pop("extra", None) or {})
+            data.update(groups, notes={**notes, **data.get("notes", {})}, schema=SCHEMA_VERSION)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -113,6 +152,8 @@ def load(path: str | os.PathLike) -> list[RunRecord]:
                 records.append(RunRecord.from_dict(json.loads(line)))
             except (json.JSONDecodeError, TypeError) as exc:
                 raise ConfigError(f"{path}:{lineno} is not a RunRecord ({exc}); remove or fix that line") from exc
+            except ConfigError as exc:
+                raise ConfigError(f"{path}:{lineno}: {exc}") from exc
     return records
 
 
@@ -125,12 +166,23 @@ def latest(path: str | os.PathLike, **match: Any) -> RunRecord:
 
 
 # ---------------------------------------------------------------- notebooks
+#: name -> fn(payload, text) -> payload, applied in registration order before a payload is displayed.
+_PUBLISHERS: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]] = {}
+
+
+def register_publisher(name: str, fn: Callable[[dict[str, Any], str], dict[str, Any]]) -> None:
+    """Pass every payload `show` / `answer` publish through `fn(payload, text)`, which returns the payload
+    to display (the course layer adds its seal). Registering a name again replaces that publisher."""
+    _PUBLISHERS[name] = fn
+
+
 def _publish(payload: dict[str, Any], text: str) -> None:
-    """Display `payload` sealed with a fingerprint of the running cell and environment (labkit.course.grading)."""
+    """Display `payload` (after the registered publishers, e.g. the grading seal) and `text`."""
     from IPython.display import display
 
-    from labkit.course.grading.fingerprint import seal
-    display({MIME: seal(payload, text), "text/plain": text}, raw=True)
+    for fn in list(_PUBLISHERS.values()):
+        payload = fn(payload, text)
+    display({MIME: payload, "text/plain": text}, raw=True)
 
 
 def show(record: RunRecord, *, key: str | None = None) -> RunRecord:
@@ -150,7 +202,7 @@ def answer(key: str, value: Any) -> Any:
 def from_notebook(nb) -> list[dict[str, Any]]:
     """Every labkit payload in an executed notebook (nbformat node), in cell order, with cell index.
 
-    Payloads keep their `fingerprint` (the seal `labkit.course.grading.tamper` verifies)."""
+    Payloads keep their `fingerprint` (the seal `labkit.grading.tamper` verifies), if one was added."""
     found = []
     for index, cell in enumerate(nb.cells):
         for output in cell.get("outputs", []) if cell.cell_type == "code" else []:

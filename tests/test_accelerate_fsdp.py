@@ -91,8 +91,8 @@ def test_accelerate_on_cpu_silently_runs_ddp_and_we_say_so(tmp_path, tmp_path_fa
 
     r = acc.run("fsdp", "tiny-llama", steps=STEPS, out=str(tmp_path))
     assert r.strategy == "accelerate-ddp"
-    assert r.extra["silently_replaced"] is True and r.extra["requested_fsdp"] is True
-    assert (r.extra["distributed_type"], r.extra["wrapper"]) == ("MULTI_CPU", "DistributedDataParallel")
+    assert r.accelerate.silently_replaced is True and r.accelerate.requested_fsdp is True
+    assert (r.accelerate.distributed_type, r.accelerate.wrapper) == ("MULTI_CPU", "DistributedDataParallel")
     ddp = sweep_records(tmp_path_factory)["ddp"]
     assert r.param_bytes == ddp.param_bytes  # a full replica per rank: nothing was sharded
     np.testing.assert_allclose(r.losses, ddp.losses, rtol=1e-5)

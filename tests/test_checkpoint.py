@@ -55,7 +55,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(reference, tmp_path):
     assert saved % EVERY == 0 and saved < REF_STEPS, f"killed too late (step {saved}) to compare"
     resumed = run("single", "tiny-llama", steps=REF_STEPS, out=str(out), resume=True,
                   checkpoint_every=EVERY, progress=False)
-    assert resumed.extra["resumed_from"] == saved
+    assert resumed.train.resumed_from == saved
     np.testing.assert_allclose(resumed.losses, reference.losses, rtol=0, atol=1e-6)
 
 
@@ -70,7 +70,7 @@ def test_checkpoints_are_atomic_and_only_the_newest_two_are_kept(reference, tmp_
     (out / "checkpoints" / "step_10").mkdir()
     assert latest_checkpoint(out).name == "step_6"
     resumed = run("single", "tiny-llama", steps=8, out=str(out), resume=True, checkpoint_every=2, progress=False)
-    assert resumed.extra["resumed_from"] == 6
+    assert resumed.train.resumed_from == 6
     assert not (out / "checkpoints" / ".tmp-step_8").exists()
     np.testing.assert_allclose(resumed.losses, reference.losses[:8], rtol=0, atol=1e-6)
     assert len(results.load(out)) == 2  # appended, never overwritten
@@ -96,7 +96,7 @@ def test_deadline_checkpoints_and_stops_cleanly_before_it(reference, tmp_path):
                  deadline_margin_s=margin, progress=False)
     left = (dt.datetime.fromisoformat(deadline) - dt.datetime.now(dt.timezone.utc)).total_seconds()
     assert left > 0  # returned before the deadline
-    assert record.extra["stopped"] == "deadline" and 0 < record.steps < 1_000_000
+    assert record.train.stopped == "deadline" and 0 < record.steps < 1_000_000
     assert latest_checkpoint(tmp_path).name == f"step_{record.steps}"
     n = min(record.steps, REF_STEPS)
     np.testing.assert_allclose(record.losses[:n], reference.losses[:n], rtol=0, atol=1e-6)

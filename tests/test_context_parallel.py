@@ -74,9 +74,9 @@ def test_context_parallel_through_the_training_loop(tmp_path):
     single = run("single", "tiny-llama", **common)
     record = run("context-parallel", "tiny-llama", nproc=2, stream=False, **common)
     assert record.losses == pytest.approx(single.losses, rel=1e-5)
-    assert record.extra["cp"] == 2 and record.extra["dp_size"] == 1
-    assert record.extra["eval_loss"] == pytest.approx(single.extra["eval_loss"], rel=1e-5)
-    assert record.extra["ring_kv_bytes_per_layer_per_sample"] > 0
+    assert record.context.cp == 2 and record.train.dp_size == 1
+    assert record.train.eval_loss == pytest.approx(single.train.eval_loss, rel=1e-5)
+    assert record.context.ring_kv_bytes_per_layer_per_sample > 0
 
 
 def test_estimate_with_cp_is_a_trace_of_the_shorter_chunk_plus_the_ring_blocks():

@@ -70,13 +70,15 @@ def test_ddp_record_schema_has_one_entry_per_rank(single, ddp):
     assert all(peak >= p + g for peak, p, g in zip(record.peak_bytes, record.param_bytes, record.grad_bytes))
     assert record.step_time_s > 0 and record.samples_per_s == pytest.approx(8 / record.step_time_s)
     assert record.tokens_per_s == pytest.approx(record.samples_per_s * 32)
-    assert record.extra["micro_batch"] == 4 and record.extra["dp_size"] == 2
+    assert record.train.micro_batch == 4 and record.train.dp_size == 2
+    # The ring all-reduce of the fp32 gradients, 2 (N-1)/N x their bytes; one process sends nothing.
+    assert record.comm.total == record.comm.all_reduce == record.grad_bytes[0] and single.comm.total == 0
 
 
 @pytest.mark.slow
 def test_ddp_with_accumulation_uses_no_sync_and_still_equals_single(single, ddp_accum):
     _, record = ddp_accum
-    assert record.extra["micro_batch"] == 2 and record.extra["accum"] == 2
+    assert record.train.micro_batch == 2 and record.train.accum == 2
     np.testing.assert_allclose(record.losses, single.losses, rtol=1e-4, atol=1e-5)
 
 
@@ -85,5 +87,5 @@ def test_single_process_resumes_a_two_rank_checkpoint(single, ddp_accum):
     out, _ = ddp_accum
     resumed = run("single", "tiny-llama", steps=STEPS, out=str(out), resume=True, checkpoint_every=4,
                   progress=False)
-    assert resumed.extra["resumed_from"] == 4
+    assert resumed.train.resumed_from == 4
     np.testing.assert_allclose(resumed.losses, single.losses, rtol=1e-4, atol=1e-5)

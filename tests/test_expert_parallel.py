@@ -74,15 +74,15 @@ def test_expert_parallel_through_the_training_loop(tmp_path):
     record = run("expert-parallel", "tiny-moe", nproc=2, stream=False, out=str(tmp_path / "ep"),
                  checkpoint_every=2, **common)
     assert record.losses == pytest.approx(single.losses, rel=1e-5)
-    assert record.extra["eval_loss"] == pytest.approx(single.extra["eval_loss"], rel=1e-5)
+    assert record.train.eval_loss == pytest.approx(single.train.eval_loss, rel=1e-5)
     experts_fp32 = 4 * model_spec("tiny-moe").expert_params
-    assert record.extra["expert_param_bytes"] == experts_fp32 // 2
-    assert record.extra["ep"] == 2 and record.extra["experts_per_rank"] == 2
+    assert record.expert.expert_param_bytes == experts_fp32 // 2
+    assert record.expert.ep == 2 and record.expert.experts_per_rank == 2
     assert single.param_bytes[0] - record.param_bytes[0] == experts_fp32 // 2
     est = estimate(MemoryConfig(model="tiny-moe", precision="fp32", dp=2, ep=2))
     for measured in record.param_bytes:
         assert measured == pytest.approx(est.weights, rel=0.02)
 
     resumed = run("single", "tiny-moe", out=str(tmp_path / "ep"), resume=True, **common)
-    assert resumed.extra["resumed_from"] == 2
+    assert resumed.train.resumed_from == 2
     assert resumed.losses[2] == pytest.approx(single.losses[2], rel=1e-5)

@@ -112,4 +112,4 @@ def test_resnet_trains_on_food11_where_fetch_put_it_and_gpu_profiles_say_so(tmp_
     assert fetch.image_data(get_profile("a100x4")) == "food11" and fetch.image_data(get_profile("smoke")) == "synthetic"
     assert "data: Food-11 from" in capsys.readouterr().out
     record = run("single", "tiny-resnet", workers=1, **common)  # 12 images: 5 steps of 4 cross an epoch
-    assert record.extra["dataset_size"] == 12 and "eval_loss" in record.extra
+    assert record.train.dataset_size == 12 and record.train.eval_loss is not None

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from labkit.errors import ConfigError
+from labkit.facts import CommFacts
 from labkit.parallel import fsdp, loading
 from test_sharding_memory import sweep_records, wrap_rows
 
@@ -107,25 +108,29 @@ def test_accumulation_matches_ddp(rec):
 
 @pytest.mark.slow
 def test_checkpoint_folder_loaded_on_rank0_only_matches_ddp(rec):
-    assert rec["fsdp-ckpt"].extra["memory_efficient_loading"] is True
+    assert rec["fsdp-ckpt"].sharding.memory_efficient_loading is True
     np.testing.assert_allclose(rec["fsdp-ckpt"].losses, rec["ddp-ckpt"].losses, rtol=1e-5)
 
 
 @pytest.mark.slow
 def test_bf16_mixed_precision_keeps_fp32_masters(rec):
     r = rec["fsdp-bf16"]
-    assert (r.extra["param_dtype"], r.extra["reduce_dtype"], r.extra["master_dtype"]) == ("bfloat16", "float32", "float32")
+    assert (r.sharding.param_dtype, r.sharding.reduce_dtype, r.sharding.master_dtype) == ("bfloat16", "float32", "float32")
     assert r.param_bytes == rec["fsdp"].param_bytes  # the sharded masters stay fp32: same bytes
     np.testing.assert_allclose(r.losses, rec["fsdp"].losses, rtol=2e-2)
 
 
 @pytest.mark.slow
 def test_records_describe_the_mesh(rec):
-    assert rec["fsdp-no-shard"].extra["mesh_shape"] == [2, 1]
-    assert rec["fsdp-hybrid"].extra["mesh_shape"] == [1, 2]
-    assert rec["fsdp-grad-op"].extra["reshard_after_forward"] is False
-    assert rec["fsdp-grad-op"].extra["param_bytes_after_forward"] == max(rec["ddp"].param_bytes)
-    assert rec["fsdp"].extra["fsdp_units"] == 3
+    assert rec["fsdp-no-shard"].sharding.mesh_shape == [2, 1]
+    assert rec["fsdp-hybrid"].sharding.mesh_shape == [1, 2]
+    assert rec["fsdp-grad-op"].sharding.reshard_after_forward is False
+    assert rec["fsdp-grad-op"].memory.param_bytes_after_forward == max(rec["ddp"].param_bytes)
+    assert rec["fsdp"].sharding.fsdp_units == 3
+    # Full shard: all-gather in forward and backward, reduce-scatter once, each (N-1)/N of the fp32 params.
+    full = max(rec["ddp"].param_bytes)
+    assert rec["fsdp"].comm == CommFacts(all_gather=full, reduce_scatter=full // 2)
+    assert rec["fsdp"].comm.total == 1.5 * rec["ddp"].comm.total
 
 
 @pytest.mark.slow

@@ -451,7 +451,7 @@ def test_zero2_bf16_trains_a_resnet_on_two_ranks(tmp_path):
     record = run("zero2", "tiny-resnet", nproc=2, steps=3, amp="bf16", out=str(tmp_path), progress=False,
                  stream=False)
     assert record.dtype == "bfloat16" and record.world_size == 2 and len(record.losses) == 3
-    assert all(0 < loss < 20 for loss in record.losses) and record.extra["flops_per_step"] > 0
+    assert all(0 < loss < 20 for loss in record.losses) and record.train.flops_per_step > 0
 
 
 # ------------------------------------------------------------------------------ 1: buffers under FSDP offload

@@ -190,7 +190,8 @@ def test_lab04_finds_the_grad_op_run_in_either_precision(dtype, held):
     runs = [_run("ddp", strategy="ddp", param_bytes=[full] * 4)]
     for key in lab04.FSDP_RUNS:  # everything else holds a quarter (its shard + one gathered unit)
         after = int(full * held) if key == "fsdp-grad-op" else full // 4
-        runs.append(_run(key, strategy=key, extra={"param_bytes_after_forward": after, "param_dtype": dtype}))
+        runs.append(_run(key, strategy=key, memory={"param_bytes_after_forward": after},
+                         sharding={"param_dtype": dtype}))
     ev = Evidence.from_notebook(_nb(*runs, _answer("04.holds_all_params", "fsdp-grad-op")))
     ok, why = lab04._holds_all(ev)
     assert ok, why

@@ -76,6 +76,20 @@ def test_sealed_notebook_is_clean_and_moved_or_recounted_outputs_are_not():
 
 
 # ---------------------------------------------------------------- physics
+def test_a_notebook_sealed_before_typed_facts_still_grades():
+    # Schema 1 (a flat `extra`), sealed by the labkit of that time: the seal holds on the stored data and
+    # the checks read the facts it maps to.
+    from labkit.grading.nb_checks import lab05_zero
+    old = _run("zero1", strategy="zero1", schema=1, extra={"master_copy_bytes": 4096, "zero_stage": 1,
+                                                         "comm_bytes_per_rank": {"all_gather": 10, "reduce_scatter": 10}})
+    nb = _nb(old)
+    assert tamper.problems(nb) == []
+    ev = Evidence.from_notebook(nb)
+    assert lab05_zero.zero1_master_bytes(ev) == 4096.0
+    run = ev.run("zero1")
+    assert run.sharding.zero_stage == 1 and run.comm.total == 20 and run.schema == 2
+
+
 def test_device_specs_pick_the_right_family():
     assert tamper.device_spec("NVIDIA A100-SXM4-40GB") == (312e12, 40 * 2**30)
     assert tamper.device_spec("NVIDIA A10G")[0] == 125e12

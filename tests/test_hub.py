@@ -189,7 +189,7 @@ def test_an_instruction_set_trains_from_the_cache_with_a_held_out_loss(offline, 
     assert fetch.text_data(get_profile("a100x1")) == "dolly"
     record = run("lora", REPO, steps=6, data="dolly", out=str(tmp_path), progress=False, lr=1e-2,
                  eval_at_start=True)
-    assert record.extra["eval_loss"] < record.extra["eval_start_loss"]  # the held-out loss improves
+    assert record.train.eval_loss < record.train.eval_start_loss  # the held-out loss improves
     shutil.rmtree(folder)
     with pytest.raises(ConfigError, match="labkit fetch dolly"):
         run("lora", REPO, steps=1, data="dolly", out=str(tmp_path), progress=False)

@@ -33,7 +33,7 @@ def test_two_records_in_order_with_equal_losses(launched):
     assert ddp.world_size == fsdp.world_size == 2
     assert len(ddp.losses) == len(fsdp.losses) == STEPS
     assert fsdp.losses == pytest.approx(ddp.losses, rel=1e-4)
-    assert ddp.extra["run_id"] != fsdp.extra["run_id"]
+    assert ddp.train.run_id != fsdp.train.run_id
 
 
 def test_before_hook_ran_in_the_same_job(launched):

@@ -44,7 +44,7 @@ def test_every_optimizer_steps_and_reports_its_name(name):
     _steps(p, opt, 2)
     assert not torch.equal(before, p.detach())
     assert optim.optimizer_name(opt) == name
-    assert optim.facts(opt)["optimizer"] == name
+    assert optim.facts(opt).name == name
 
 
 def test_adamw_8bit_follows_adamw_with_a_quarter_of_the_state():
@@ -100,10 +100,10 @@ def test_full_finetune_with_8bit_adam_through_the_loop(tmp_path):
     common = dict(profile="smoke", steps=4, out=str(tmp_path), progress=False, eval_batches=0)
     ref = run("single", "tiny-llama", **common)
     eight = run("single", "tiny-llama", optimizer="adamw-8bit", **common)
-    assert eight.extra["optimizer"] == "adamw-8bit"
-    assert ref.extra["optimizer"] == "adamw"
+    assert eight.optim.name == "adamw-8bit"
+    assert ref.optim.name == "adamw"
     # tensors >= 4096 elements (embedding, head, q/o, MLP) get 8-bit state: most of tiny-llama
-    bits = eight.extra["optimizer_state_bits"]
+    bits = eight.optim.state_bits
     assert bits["8"] > 0.9 * eight.trainable_params
     assert eight.optimizer_bytes[0] < 0.4 * ref.optimizer_bytes[0]
     assert eight.losses[-1] < eight.losses[0]

@@ -178,7 +178,7 @@ RUN = dict(profile="smoke", progress=False)
 
 def _adapter_tensors(record):
     from safetensors.torch import load_file
-    return load_file(f"{record.extra['adapter_path']}/adapter_model.safetensors")
+    return load_file(f"{record.peft.adapter_path}/adapter_model.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +195,9 @@ def lora_runs(tmp_path_factory):
 
 def test_lora_record_reports_trainable_params_fraction_and_adapter_size(lora_runs):
     rec = lora_runs["single"]
-    assert rec.trainable_params == 3584 == rec.extra["total_params"] - 106_816  # r (d_in + d_out) x q,v x 2
-    assert rec.extra["trainable_fraction"] == pytest.approx(3584 / (106_816 + 3584))
-    assert rec.extra["adapter_bytes"] == lk_peft.adapter_bytes(rec.extra["adapter_path"])
+    assert rec.trainable_params == 3584 == rec.peft.total_params - 106_816  # r (d_in + d_out) x q,v x 2
+    assert rec.peft.trainable_fraction == pytest.approx(3584 / (106_816 + 3584))
+    assert rec.peft.adapter_bytes == lk_peft.adapter_bytes(rec.peft.adapter_path)
     assert rec.grad_bytes[0] == 4 * 3584  # gradients only for the adapters
     assert rec.optimizer_bytes[0] >= 2 * 4 * 3584  # AdamW's two fp32 moments (+ step counters)
 
@@ -205,7 +205,7 @@ def test_lora_record_reports_trainable_params_fraction_and_adapter_size(lora_run
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_lora_data_parallel_matches_single_process(lora_runs, mode):
     single, rec = lora_runs["single"], lora_runs[mode]
-    assert rec.world_size == 2 and rec.extra["lora_parallel"] == mode
+    assert rec.world_size == 2 and rec.peft.lora_parallel == mode
     assert rec.losses == pytest.approx(single.losses, rel=1e-5)
     ref = _adapter_tensors(single)
     got = _adapter_tensors(rec)
@@ -229,7 +229,7 @@ def test_lora_checkpoint_holds_only_the_adapters_and_resumes_exactly(tmp_path):
     model_keys = [k for k in keys if k.startswith("model.")]
     assert len(model_keys) == 8 and all("lora_" in k for k in model_keys)  # A, B x q, v x 2 layers
     resumed = run("lora", "tiny-llama", steps=5, resume=True, out=str(tmp_path / "b"), **common)
-    assert resumed.extra["resumed_from"] == 3
+    assert resumed.train.resumed_from == 3
     assert resumed.losses == straight.losses
 
 
@@ -238,15 +238,15 @@ def test_qlora_trains_from_a_saved_checkpoint_and_reports_its_quantization(tmp_p
 
     rec = run("qlora", "tiny-llama", steps=20, out=str(tmp_path), eval_batches=1, **RUN)
     assert sum(rec.losses[-5:]) / 5 < sum(rec.losses[:5]) / 5 - 0.01  # the loss falls over 20 smoke steps
-    extra = rec.extra
+    x = rec.peft
     assert (tmp_path / "base" / "tiny-llama-seed0" / "config.json").is_file()  # loaded by from_pretrained
-    assert extra["quant_type"] == "nf4" and extra["double_quant"] and extra["compute_dtype"] == "bfloat16"
-    assert extra["optimizer"] == "paged-adamw-8bit" and extra["optimizer_paged"] is False  # CPU: no paging
+    assert x.quant_type == "nf4" and x.double_quant and x.compute_dtype == "bfloat16"
+    assert rec.optim.name == "paged-adamw-8bit" and rec.optim.paged is False  # CPU: no paging
     # resident parameter bytes = packed 4-bit + quantization constants + 16/32-bit rest
-    assert rec.param_bytes[0] == extra["weight_bytes"]["total"]
-    assert extra["weight_bytes"]["packed_4bit"] == 73_728 // 2
+    assert rec.param_bytes[0] == x.weight_bytes["total"]
+    assert x.weight_bytes["packed_4bit"] == 73_728 // 2
     assert rec.trainable_params == 3584
-    reloaded = lk_peft.load_adapter(lk_qlora.load_4bit(tmp_path / "base" / "tiny-llama-seed0"), extra["adapter_path"])
+    reloaded = lk_peft.load_adapter(lk_qlora.load_4bit(tmp_path / "base" / "tiny-llama-seed0"), x.adapter_path)
     assert any(torch.count_nonzero(p) for n, p in reloaded.named_parameters() if "lora_B" in n)
 
 

@@ -186,12 +186,12 @@ def test_pipeline_through_the_training_loop(tmp_path):
     single = run("single", "tiny-llama", **common)
     record = run("pipeline-gpipe", "tiny-llama", nproc=2, stream=False, accum=2, microbatches=2, **common)
     assert record.losses == pytest.approx(single.losses, rel=1e-5)
-    assert record.extra["eval_loss"] == pytest.approx(single.extra["eval_loss"], rel=1e-5)
+    assert record.train.eval_loss == pytest.approx(single.train.eval_loss, rel=1e-5)
     assert sum(record.param_bytes) == single.param_bytes[0]
     assert record.trainable_params == single.trainable_params
-    extra = record.extra
-    assert extra["bubble_theory"] == pytest.approx(1 / 3) and 0 < extra["bubble_measured"] < 1
-    assert extra["stage_layers"] == [[0], [1]] and extra["max_in_flight"] == [2, 2]
+    pipe = record.pipeline
+    assert pipe.bubble_theory == pytest.approx(1 / 3) and 0 < pipe.bubble_measured < 1
+    assert pipe.stage_layers == [[0], [1]] and pipe.max_in_flight == [2, 2]
     assert text_schedule(trace_of(record)).splitlines()[0] == "stage 0: F0 F1 B0 B1"
     ax = plot_schedule(record, title="gpipe")
     assert len(ax.collections) == len(trace_of(record)) == 2 * 2 * 2  # stages x (F, B) x micro-batches

@@ -52,7 +52,7 @@ def test_both_schedules_match_single_through_the_training_loop(tmp_path):
                              microbatches=4, **common)
     for record, style in ((inter, "loop"), (zb, "v")):
         assert record.losses == pytest.approx(single.losses, rel=1e-5)
-        assert record.extra["eval_loss"] == pytest.approx(single.extra["eval_loss"], rel=1e-5)
+        assert record.train.eval_loss == pytest.approx(single.train.eval_loss, rel=1e-5)
         assert sum(record.param_bytes) == single.param_bytes[0]  # every parameter on exactly one rank
         events = trace_of(record)
         for rank in (0, 1):  # each rank ran both of its virtual stages, every micro-batch forward
@@ -61,5 +61,5 @@ def test_both_schedules_match_single_through_the_training_loop(tmp_path):
             assert sum(e["kind"] == "F" for e in mine) == 2 * 4
     assert not any(e["kind"] == "W" for e in trace_of(inter))  # full backward
     assert sum(e["kind"] == "W" for e in trace_of(zb)) == 4 * 4  # weight gradients apart: 4 stages x 4 mb
-    assert inter.extra["bubble_theory"] == pytest.approx(1 / 9) and zb.extra["bubble_theory"] == 0.0
+    assert inter.pipeline.bubble_theory == pytest.approx(1 / 9) and zb.pipeline.bubble_theory == 0.0
     assert len(plot_schedule(zb).collections) == len(trace_of(zb))

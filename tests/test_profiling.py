@@ -38,7 +38,7 @@ def test_labkit_train_trace_steps_leaves_trace_and_memory_timeline(ddp_run):
     assert len(traces) == 1 and "traceEvents" in json.loads(traces[0].read_text())
     folder = traces[0].parent
     assert (folder / "memory_timeline.png").read_bytes()[:8] == PNG
-    assert record.extra["trace_steps"] == 2 and Path(record.extra["profile_dir"]) == folder
+    assert record.train.trace_steps == 2 and Path(record.train.profile_dir) == folder
     assert record.steps == 6  # the traced steps trained like the others
 
 

@@ -89,7 +89,7 @@ def test_training_makes_progress(rec):
 def test_zero3_offload_with_cpu_adam_matches_ddp(rec):
     """DeepSpeedCPUAdam (a C++ AdamW) reaches the same losses up to float rounding."""
     import numpy as np
-    assert rec["zero3-offload"].extra["ds_optimizer"] == "DeepSpeedCPUAdam"
+    assert rec["zero3-offload"].sharding.ds_optimizer == "DeepSpeedCPUAdam"
     np.testing.assert_allclose(rec["zero3-offload"].losses, rec["ddp"].losses, rtol=1e-4)
 
 
@@ -111,7 +111,7 @@ def test_params_and_grads_per_rank(rec, key, param, grad):
 def test_optimizer_states_halved(rec, key):
     """Adam moments are 1/2 of DDP's from stage 1 on; DeepSpeed adds its fp32 master partition (4 B/N)."""
     r = rec[key]
-    master = r.extra.get("master_copy_bytes", 0)
+    master = r.memory.master_copy_bytes or 0
     assert master == (pytest.approx(max(rec["ddp"].param_bytes) / DP, rel=0.01) if key.startswith("zero") else 0)
     assert (max(r.optimizer_bytes) - master) / max(rec["ddp"].optimizer_bytes) == pytest.approx(0.5, rel=0.02)
 
@@ -122,7 +122,7 @@ def test_offload_records_host_bytes(rec, key):
     r = rec[key]
     states = [p + g + o for p, g, o in zip(r.param_bytes, r.grad_bytes, r.optimizer_bytes)]
     # On a CPU run host and device are one memory: the record says so and counts what the policy holds.
-    assert r.extra["offload_physical"] is False
+    assert r.memory.offload_physical is False
     assert r.cpu_offload_bytes == states
     assert min(r.cpu_offload_bytes) >= max(r.optimizer_bytes) > 0
     assert rec["fsdp"].cpu_offload_bytes == [0, 0] and rec["zero3"].cpu_offload_bytes == [0, 0]

@@ -32,18 +32,18 @@ def test_fsdp_qlora_on_two_ranks_trains_like_single_process_qlora(runs):
     # bf16 compute on both sides; FSDP gathers the adapters in bf16 (MixedPrecisionPolicy).
     np.testing.assert_allclose(sharded.losses, single.losses, rtol=2e-3)
     assert sharded.trainable_params == single.trainable_params
-    assert sharded.extra["trainable_fraction"] == pytest.approx(single.extra["trainable_fraction"])
+    assert sharded.peft.trainable_fraction == pytest.approx(single.peft.trainable_fraction)
 
 
 @pytest.mark.slow
 def test_the_nf4_weights_are_really_sharded(runs):
     sharded, _, single = runs
-    x = sharded.extra
-    assert x["quant_type"] == "nf4" and x["mesh_shape"] == [2] and x["quant_storage"] == "uint8"
-    assert 2 * x["packed_4bit_rank_bytes"] == x["packed_4bit_full_bytes"]
-    assert x["packed_4bit_full_bytes"] == single.extra["weight_bytes"]["packed_4bit"]
+    x = sharded.peft
+    assert x.quant_type == "nf4" and sharded.sharding.mesh_shape == [2] and x.quant_storage == "uint8"
+    assert 2 * x.packed_4bit_rank_bytes == x.packed_4bit_full_bytes
+    assert x.packed_4bit_full_bytes == single.peft.weight_bytes["packed_4bit"]
     # Each rank holds half of everything that is sharded; the QuantState constants stay replicated.
-    assert x["quant_state_bytes_replicated"] == single.extra["weight_bytes"]["quant_state"]
+    assert x.quant_state_bytes_replicated == single.peft.weight_bytes["quant_state"]
     for rank in range(2):
         assert sharded.param_bytes[rank] < single.param_bytes[0]
         assert sharded.optimizer_bytes[rank] == pytest.approx(single.optimizer_bytes[0] / 2, rel=0.05)
@@ -53,7 +53,7 @@ def test_the_nf4_weights_are_really_sharded(runs):
 def test_the_offload_variant_computes_the_same_and_reports_its_host_bytes(runs):
     sharded, offload, _ = runs
     assert offload.losses == sharded.losses
-    assert offload.extra["offload"] and not offload.extra["offload_physical"]  # CPU: host is the device
+    assert offload.memory.offload and not offload.memory.offload_physical  # CPU: host is the device
     assert all(b > 0 for b in offload.cpu_offload_bytes) and sharded.cpu_offload_bytes == [0, 0]
 
 

@@ -156,7 +156,7 @@ def test_tensor_fsdp_through_the_training_loop(tmp_path):
     single = run("single", "tiny-llama", **common)
     record = run("tensor-fsdp", "tiny-llama", nproc=2, stream=False, **common)
     assert record.losses == pytest.approx(single.losses, rel=1e-5)
-    assert record.extra["mesh"] == [1, 2] and record.extra["dp_size"] == 1
+    assert record.tensor.mesh == [1, 2] and record.train.dp_size == 1
     assert max(record.param_bytes) / single.param_bytes[0] == pytest.approx(0.5, abs=0.005)
-    assert record.extra["collectives_first_step"]["all_reduce"] == 19
-    assert record.extra["eval_loss"] == pytest.approx(single.extra["eval_loss"], rel=1e-5)
+    assert record.tensor.collectives_first_step["all_reduce"] == 19
+    assert record.train.eval_loss == pytest.approx(single.train.eval_loss, rel=1e-5)

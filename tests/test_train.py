@@ -28,7 +28,7 @@ def test_tiny_resnet_losses_fall(tmp_path):
     assert record.steps == 8 and np.isfinite(record.losses).all()
     assert np.mean(record.losses[-3:]) < 0.7 * np.mean(record.losses[:3])
     # The measured FLOPs (FlopCounterMode, warm-up step) and the projection are filled in.
-    assert record.extra["flops_per_step"] > 0 and record.extra["epoch_time_s"] > 0
+    assert record.train.flops_per_step > 0 and record.train.epoch_time_s > 0
     assert record.peak_bytes[0] >= record.param_bytes[0] + record.grad_bytes[0]
     assert record.mfu == 0.0  # no peak FLOPS for a CPU
 
@@ -36,7 +36,7 @@ def test_tiny_resnet_losses_fall(tmp_path):
 def test_accumulating_two_half_batches_equals_one_full_batch(tmp_path):
     full = run("single", "tiny-llama", steps=4, out=str(tmp_path), progress=False)
     halves = run("single", "tiny-llama", steps=4, out=str(tmp_path), accum=2, progress=False)
-    assert halves.extra["micro_batch"] == full.extra["micro_batch"] // 2
+    assert halves.train.micro_batch == full.train.micro_batch // 2
     np.testing.assert_allclose(halves.losses, full.losses, rtol=1e-5, atol=1e-6)
 
 
@@ -44,14 +44,14 @@ def test_levers_train_and_are_recorded(tmp_path):
     record = run("single", "tiny-resnet", steps=3, out=str(tmp_path), amp="bf16", checkpointing=True,
                  channels_last=True, accum=2, progress=False)
     assert record.dtype == "bfloat16" and np.isfinite(record.losses).all()
-    assert record.extra["activation_checkpointing"] and record.extra["channels_last"]
+    assert record.train.activation_checkpointing and record.train.channels_last
 
 
 def test_shipped_tiny_data_trains_both_kinds(tmp_path):
     text = run("single", "tiny-llama", steps=3, out=str(tmp_path), data="tiny", progress=False)
     images = run("single", "tiny-resnet", steps=2, batch=8, out=str(tmp_path), data="tiny", progress=False)
-    assert text.extra["dataset_size"] == (int(len(TINY_TEXT.read_bytes()) * 0.9) - 1) // 32
-    assert images.extra["dataset_size"] == 16  # labkit/data/tiny_images: 2 classes x 8 PNGs
+    assert text.train.dataset_size == (int(len(TINY_TEXT.read_bytes()) * 0.9) - 1) // 32
+    assert images.train.dataset_size == 16  # labkit/data/tiny_images: 2 classes x 8 PNGs
     assert np.isfinite(text.losses + images.losses).all()
 
 

@@ -87,10 +87,10 @@ def test_comm_volume_stage3_is_one_and_a_half_ddp():
 @pytest.mark.parametrize("key,stage", [("zero1", 1), ("zero2", 2), ("zero3", 3), ("zero3-offload", 3)])
 def test_the_config_that_ran_is_in_the_run_folder(rec, key, stage):
     r = rec[key]
-    path = Path(r.extra["ds_config"])
+    path = Path(r.sharding.ds_config)
     assert path.name == f"ds_config_{key}.json" and path.is_file()
     assert json.loads(path.read_text())["zero_optimization"]["stage"] == stage
-    assert (r.extra["zero_stage"], r.extra["ds_accelerator"]) == (stage, "cpu")
+    assert (r.sharding.zero_stage, r.sharding.ds_accelerator) == (stage, "cpu")
     assert r.trainable_params == 106_816  # counted from ds_numel: ZeRO-3 params are empty placeholders
 
 
@@ -102,8 +102,8 @@ def test_gradient_accumulation_matches_ddp(rec):
 @pytest.mark.slow
 def test_stage3_checkpoint_resumes_to_the_same_losses(rec):
     saved, resumed = rec["zero3-save"], rec["zero3-resume"]
-    assert resumed.extra["resumed_from"] == 2
-    ckpt = Path(saved.extra["ds_config"]).parent / "checkpoints"
+    assert resumed.train.resumed_from == 2
+    ckpt = Path(saved.sharding.ds_config).parent / "checkpoints"
     assert any(ckpt.rglob("*optim_states.pt"))  # DeepSpeed's own per-rank partition files
     np.testing.assert_allclose(resumed.losses, rec["zero3"].losses, rtol=1e-5)
 

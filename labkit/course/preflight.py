@@ -154,8 +154,8 @@ def accelerate_checks(profile: Profile, out: Path, steps: int) -> list[Check]:
         try:
             record = accelerate_fsdp.run("fsdp", profile.llm_model, profile=profile.name, nproc=profile.nproc,
                                          steps=steps, out=str(out))
-            ok = bool(record.extra["fsdp_effective"])
-            detail = f"accelerate built {record.extra['wrapper']} ({record.extra['distributed_type']})"
+            ok = record.accelerate.fsdp_effective
+            detail = f"accelerate built {record.accelerate.wrapper} ({record.accelerate.distributed_type})"
         except LabkitError as exc:
             ok, detail = False, (str(exc).splitlines() or ["accelerate launch failed"])[0][:200]
         fix = "" if ok else "run labkit.parallel.accelerate_fsdp.run('fsdp', ...) alone for the output"

@@ -48,7 +48,7 @@ THE CONTRACT (what a strategy module `labkit/parallel/<x>.py` provides)
                   `resident_bytes()` -> ResidentBytes(param, grad, optimizer, cpu_offload): tensors on
                   ctx.device (DTensors by local shard), host bytes of offloading strategies.
                   `trainable_params()`, `flops_per_step(global_tokens)` (6 N tokens for LLMs; None = the
-                  loop measures with FlopCounterMode), `record_extra()` -> JSON facts (extend super()'s).
+                  loop measures with FlopCounterMode), `record_facts()` -> {group: labkit.facts} (extend super()'s).
    checkpoints    `save_checkpoint(folder)` / `load_checkpoint(folder)`: collective; default DCP of
                   `state_dict()` = `get_state_dict(model, optimizer)` (handles DDP prefixes and FSDP2
                   DTensors, and reshards on load) + per-rank RNG / loss-scaler state. DeepSpeed uses the

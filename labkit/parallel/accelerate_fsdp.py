@@ -156,6 +156,7 @@ def _train(args) -> None:
 def _record(args, cfg, facts: dict, losses: list, times: list, per_rank: list, n_params: int):
     """The RunRecord of an accelerate run, named after what ran (peak memory is not tracked here)."""
     from labkit import results
+    from labkit.facts import AccelerateFacts, TrainFacts
     from labkit.profiles import get_profile
     from labkit.train import metrics
     from labkit.train.config import AMP_DTYPES
@@ -171,8 +172,9 @@ def _record(args, cfg, facts: dict, losses: list, times: list, per_rank: list, n
         # The dtype accelerate trained in (the config's mixed_precision), not the profile's default.
         dtype=AMP_DTYPES[{"no": "none"}.get(facts["mixed_precision"], facts["mixed_precision"])],
         global_batch=cfg.batch,
-        extra={"run_id": args.run_id, "requested_strategy": args.strategy, "accelerate_config": args.config,
-               "peak_measured": any(cols[4]), **facts})
+        train=TrainFacts(run_id=args.run_id),
+        accelerate=AccelerateFacts(requested_strategy=args.strategy, accelerate_config=args.config,
+                                   peak_measured=any(cols[4]), **facts))
 
 
 def _main(argv: list[str] | None = None) -> None:

@@ -212,12 +212,13 @@ class ContextParallelStrategy(Strategy):
         dist.all_gather(parts, local, group=self.ctx.group)
         return torch.cat(parts, dim=1)  # (B, T, V), the same on every rank
 
-    def record_extra(self) -> dict:
+    def record_facts(self) -> dict:
+        from labkit.facts import ContextFacts
         cfg = self._unwrapped().config
         kv_bytes = 2 * self.cfg.seq_len * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
         n = self.ctx.world_size
-        return {**super().record_extra(), "cp": n, "dp": 1, "cp_split": "contiguous",
-                "ring_kv_bytes_per_layer_per_sample": int(comm.bytes_sent("all_gather", kv_bytes, n))}
+        return {**super().record_facts(), "context": ContextFacts(
+            cp=n, cp_split="contiguous", ring_kv_bytes_per_layer_per_sample=int(comm.bytes_sent("all_gather", kv_bytes, n)))}
 
 
 STRATEGY_CLASSES = {"context-parallel": ContextParallelStrategy}

@@ -58,12 +58,13 @@ class DDPStrategy(Strategy):
         # inside it DDP only accumulates locally, and the last micro-batch's backward reduces the sum.
         return self.model.no_sync()
 
-    def record_extra(self) -> dict:
+    def record_facts(self) -> dict:
+        from labkit.facts import CommFacts
         # Gradient bytes each step's all-reduce moves per rank (ring): 2 (N-1)/N x S.
         n = self.ctx.world_size
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        return {**super().record_extra(), "allreduce_bytes_per_rank": int(comm.bytes_sent("all_reduce", grad_bytes, n)),
-                "bucket_cap_mb": 25}
+        return {**super().record_facts(), "comm": CommFacts(all_reduce=int(comm.bytes_sent("all_reduce", grad_bytes, n)),
+                                                            bucket_cap_mb=25)}
 
 
 STRATEGY_CLASSES = {"ddp": DDPStrategy}

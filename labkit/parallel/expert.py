@@ -179,12 +179,13 @@ class ExpertParallelStrategy(Strategy):
                                for k, v in slots[name].items()}
         return state
 
-    def record_extra(self) -> dict:
+    def record_facts(self) -> dict:
+        from labkit.facts import ExpertFacts
         ep = self.model.labkit_ep
         mine = expert_bytes(self.model)
-        return {**super().record_extra(), "ep": ep["ep"], "experts_per_rank": ep["experts_per_rank"],
-                "moe_layers": ep["moe_layers"], "expert_param_bytes": mine,
-                "expert_param_bytes_all_ranks": mine * ep["ep"]}
+        return {**super().record_facts(), "expert": ExpertFacts(
+            ep=ep["ep"], experts_per_rank=ep["experts_per_rank"], moe_layers=ep["moe_layers"],
+            expert_param_bytes=mine, expert_param_bytes_all_ranks=mine * ep["ep"])}
 
 
 STRATEGY_CLASSES = {"expert-parallel": ExpertParallelStrategy}

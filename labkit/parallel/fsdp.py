@@ -278,22 +278,23 @@ class FSDPStrategy(Strategy):
             return ResidentBytes(max(sum(rest), sum(held)), sum(grads), sum(optim), offload)
         return ResidentBytes(max(rest[0], held[0]), grads[0], optim[0], rest[1] + grads[1] + optim[1])
 
-    def record_extra(self) -> dict:
+    def record_facts(self) -> dict:
+        from labkit.facts import CommFacts, MemoryFacts, ShardingFacts
         shape, names = self.dims.mesh_shape(MESH_DIMS[self.plan.mesh][1])
         full_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         mp = mp_policy_for(self.cfg.amp)
         name = lambda dtype: str(dtype or torch.float32).removeprefix("torch.")  # noqa: E731
-        extra = dict(mesh_shape=list(shape), mesh_dims=list(names), reshard_after_forward=self.plan.reshard_after_forward,
-                     wrap_policy=self.plan.wrap, fsdp_units=len(self.units), unit_params=self.units,
-                     param_dtype=name(mp.param_dtype), reduce_dtype=name(mp.reduce_dtype),
-                     master_dtype=name(next(self.model.parameters()).dtype),
-                     param_bytes_after_forward=sum(self._held_after_forward), offload=self.plan.offload,
-                     comm_bytes_per_rank=comm_bytes_per_step(self.plan, full_bytes, shape),
-                     memory_efficient_loading=True)
+        sharding = ShardingFacts(mesh_shape=list(shape), mesh_dims=list(names),
+                                 reshard_after_forward=self.plan.reshard_after_forward,
+                                 wrap_policy=self.plan.wrap, fsdp_units=len(self.units), unit_params=self.units,
+                                 param_dtype=name(mp.param_dtype), reduce_dtype=name(mp.reduce_dtype),
+                                 master_dtype=name(next(self.model.parameters()).dtype), memory_efficient_loading=True)
+        memory = MemoryFacts(param_bytes_after_forward=sum(self._held_after_forward), offload=self.plan.offload)
         if self.plan.offload:
-            extra["offload_physical"] = self.ctx.device.type != "cpu"
-            extra["offload_pin_memory"] = offload_policy_for(self.plan, self.ctx.device).pin_memory
-        return extra
+            memory = dataclasses.replace(memory, offload_physical=self.ctx.device.type != "cpu",
+                                         offload_pin_memory=offload_policy_for(self.plan, self.ctx.device).pin_memory)
+        return {"sharding": sharding, "memory": memory,
+                "comm": CommFacts.of(comm_bytes_per_step(self.plan, full_bytes, shape))}
 
 
 STRATEGY_CLASSES = {name: FSDPStrategy for name in VARIANTS}

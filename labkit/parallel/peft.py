@@ -250,18 +250,18 @@ class LoraStrategy(Strategy):
         adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return (4.0 * frozen + 6.0 * adapters) * global_tokens
 
-    def record_extra(self) -> dict:
+    def record_facts(self) -> dict:
+        from labkit.facts import PeftFacts
         trainable, total = trainable_counts(self.model)
         settings = LoraSettings.of(self.cfg)
-        return {**super().record_extra(), "lora_rank": settings.rank, "lora_alpha": settings.alpha,
-                "lora_dropout": settings.dropout,
-                "lora_targets": sorted(_unwrap(self.model).peft_config["default"].target_modules),
-                "trainable_fraction": trainable / total, "total_params": total,
-                "lora_parallel": self.cfg.lora_parallel if self.ctx.world_size > 1 else None,
-                **self._adapter_facts()}
+        return {**super().record_facts(), "peft": PeftFacts(
+            lora_rank=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+            lora_targets=sorted(_unwrap(self.model).peft_config["default"].target_modules),
+            trainable_fraction=trainable / total, total_params=total,
+            lora_parallel=self.cfg.lora_parallel if self.ctx.world_size > 1 else None, **self._adapter_facts())}
 
     def evaluate(self, batches: list) -> dict | None:
-        # The one phase after training that every rank enters (record_extra runs on rank 0 alone), so
+        # The one phase after training that every rank enters (record_facts runs on rank 0 alone), so
         # the adapter is saved here: FSDP gathers its shards collectively.
         result = super().evaluate(batches)
         self.save_adapters()

@@ -220,7 +220,7 @@ class PipelineStrategy(Strategy):
 
     def resident_bytes(self):
         # Every rank calls this once at the end of the run: the one point where all stages can
-        # exchange their schedule traces (record_extra runs on rank 0 alone).
+        # exchange their schedule traces (record_facts runs on rank 0 alone).
         import torch.distributed as dist
         self.gathered = [None] * self.ctx.world_size
         dist.all_gather_object(self.gathered, self.trace.steps, group=self.ctx.group)
@@ -232,9 +232,11 @@ class PipelineStrategy(Strategy):
     def flops_per_step(self, global_tokens: int) -> float | None:
         return 6.0 * (self.full_params - self.embed_params) * global_tokens
 
-    def record_extra(self) -> dict:
-        return {"pp": self.ctx.world_size, "schedule": self.schedule_name, "microbatches": self.microbatches,
-                "stage_layers": split_layers(self.model.config.num_hidden_layers, self.ctx.world_size),
-                **schedule_facts(self.gathered, self.ctx.world_size, self.microbatches, skip=2 * self.cfg.accum)}
+    def record_facts(self) -> dict:
+        from labkit.facts import PipelineFacts
+        return {"pipeline": PipelineFacts(
+            pp=self.ctx.world_size, schedule=self.schedule_name, microbatches=self.microbatches,
+            stage_layers=split_layers(self.model.config.num_hidden_layers, self.ctx.world_size),
+            **schedule_facts(self.gathered, self.ctx.world_size, self.microbatches, skip=2 * self.cfg.accum))}
 
 STRATEGY_CLASSES = {name: PipelineStrategy for name in SCHEDULES}

@@ -205,14 +205,16 @@ class VirtualPipelineStrategy(PipelineStrategy):
                               group=self.ctx.group)
         return h if owner[v - 1] == self.ctx.rank else None
 
-    def record_extra(self) -> dict:
+    def record_facts(self) -> dict:
+        from labkit.facts import PipelineFacts
         p, m = self.ctx.world_size, self.microbatches
         facts = schedule_facts(self.gathered, p, m, skip=2 * self.cfg.accum)
         # Interleaved: Narayanan's formula; ZB-V: ~0 only when F, B and W take equal time (Qi et al. 2024).
         facts["bubble_theory"] = interleaved_bubble(p, m) if self.style == "loop" else 0.0
-        return {"pp": p, "virtual_stages": CHUNKS * p, "schedule": self.schedule_name, "microbatches": m,
-                "stage_layers": split_virtual(self.model.config.num_hidden_layers, CHUNKS * p),
-                "local_stages": local_stages(0, p, self.style), **facts}
+        return {"pipeline": PipelineFacts(
+            pp=p, virtual_stages=CHUNKS * p, schedule=self.schedule_name, microbatches=m,
+            stage_layers=split_virtual(self.model.config.num_hidden_layers, CHUNKS * p),
+            local_stages=local_stages(0, p, self.style), **facts)}
 
 
 STRATEGY_CLASSES = {name: VirtualPipelineStrategy for name in SCHEDULES}

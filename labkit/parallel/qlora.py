@@ -10,6 +10,8 @@ checkpoint: `from_pretrained(path, quantization_config=bnb_config())` (`load_4bi
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import tempfile
 from pathlib import Path
@@ -159,11 +161,13 @@ class QLoraStrategy(LoraStrategy):
         wb = weight_bytes(self.model)
         return base._replace(param=base.param + wb["quant_state"])
 
-    def record_extra(self) -> dict:
+    def record_facts(self) -> dict:
+        facts = super().record_facts()
         wb = weight_bytes(self.model)
-        return {**super().record_extra(), "quant_type": "nf4", "double_quant": True,
-                "compute_dtype": "bfloat16" if self.amp == "bf16" else "float16", "quant_blocksize": 64,
-                "weight_bytes": wb, "weight_ratio_vs_bf16": wb["total"] / wb["bf16_equivalent"]}
+        return {**facts, "peft": dataclasses.replace(
+            facts["peft"], quant_type="nf4", double_quant=True, quant_blocksize=64,
+            compute_dtype="bfloat16" if self.amp == "bf16" else "float16",
+            weight_bytes=wb, weight_ratio_vs_bf16=wb["total"] / wb["bf16_equivalent"])}
 
 
 STRATEGY_CLASSES = {"qlora": QLoraStrategy}

@@ -253,10 +253,10 @@ class Strategy:
             model = getattr(model, attr, model)
         return model
 
-    def record_extra(self) -> dict:
-        """Strategy-specific facts for RunRecord.extra (JSON data); overrides extend super()'s."""
+    def record_facts(self) -> dict:
+        """{RunRecord field: labkit.facts dataclass} of this strategy; overrides extend super()'s."""
         from labkit.optim import facts
-        return facts(self.optimizer)
+        return {"optim": facts(self.optimizer)}
 
     def close(self) -> None:
         """Release strategy resources (engines, extra groups)."""
@@ -267,6 +267,10 @@ class SingleStrategy(Strategy):
 
     needs_process_group = False
     max_world_size = 1
+
+    def record_facts(self) -> dict:
+        from labkit.facts import CommFacts
+        return {**super().record_facts(), "comm": CommFacts()}  # one process: nothing is sent
 
 
 STRATEGY_CLASSES = {"single": SingleStrategy}

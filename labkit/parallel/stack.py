@@ -145,20 +145,22 @@ class FsdpQLoraStrategy(QLoraStrategy):
         # 4 N_frozen (forward + input gradients) + 6 N_adapters per token (see LoraStrategy).
         return (4.0 * self.counts["frozen_no_embed"] + 6.0 * self.counts["trainable"]) * global_tokens
 
-    def record_extra(self) -> dict:
+    def record_facts(self) -> dict:
+        from labkit.facts import MemoryFacts, PeftFacts, ShardingFacts
+        from labkit.optim import facts as optim_facts
         settings = LoraSettings.of(self.cfg)
         shape, names = self.dims.mesh_shape(fsdp.MESH_DIMS[self.plan.mesh][1])
-        facts = {"lora_rank": settings.rank, "lora_alpha": settings.alpha, "lora_targets": settings.targets,
-                 "trainable_fraction": self.counts["trainable"] / self.counts["total"],
-                 "total_params": self.counts["total"], "quant_type": "nf4", "double_quant": True,
-                 "compute_dtype": "bfloat16" if self.amp == "bf16" else "float16", "quant_storage": "uint8",
-                 "mesh_shape": list(shape), "mesh_dims": list(names), "offload": self.plan.offload,
-                 "packed_4bit_full_bytes": self.counts["packed_4bit_full_bytes"],
-                 "packed_4bit_rank_bytes": packed_bytes(self.model),
-                 "quant_state_bytes_replicated": quant_state_bytes(self.model),
-                 "offload_physical": self.plan.offload and self.ctx.device.type != "cpu"}
-        from labkit.optim import facts as optim_facts
-        return {**optim_facts(self.optimizer), **facts, **self._adapter_facts()}
+        peft = PeftFacts(lora_rank=settings.rank, lora_alpha=settings.alpha, lora_targets=settings.targets,
+                         trainable_fraction=self.counts["trainable"] / self.counts["total"],
+                         total_params=self.counts["total"], quant_type="nf4", double_quant=True,
+                         compute_dtype="bfloat16" if self.amp == "bf16" else "float16", quant_storage="uint8",
+                         packed_4bit_full_bytes=self.counts["packed_4bit_full_bytes"],
+                         packed_4bit_rank_bytes=packed_bytes(self.model),
+                         quant_state_bytes_replicated=quant_state_bytes(self.model), **self._adapter_facts())
+        return {"optim": optim_facts(self.optimizer), "peft": peft,
+                "sharding": ShardingFacts(mesh_shape=list(shape), mesh_dims=list(names)),
+                "memory": MemoryFacts(offload=self.plan.offload,
+                                      offload_physical=self.plan.offload and self.ctx.device.type != "cpu")}
 
 
 STRATEGY_CLASSES = {name: FsdpQLoraStrategy for name in VARIANTS}

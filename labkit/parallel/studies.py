@@ -123,7 +123,7 @@ def estimate_for(record, *, node_size: int | None = None) -> dict:
 
     fields = dict(ESTIMATE_FIELDS[record.strategy])
     if record.strategy == "fsdp-hybrid":
-        fields["zero_group"] = node_size or record.extra.get("mesh_shape", [record.world_size])[-1]
+        fields["zero_group"] = node_size or ((record.sharding and record.sharding.mesh_shape) or [record.world_size])[-1]
     deepspeed = record.strategy.startswith("zero")
     # torch strategies keep fp32 params under autocast / MixedPrecisionPolicy; DeepSpeed casts the model.
     precision = "fp32" if record.dtype == "float32" or not deepspeed else \

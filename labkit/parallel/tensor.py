@@ -240,13 +240,14 @@ class TensorStrategy(Strategy):
     def eval_logits(self, inputs, targets):
         return _full(super().eval_logits(inputs, targets))  # (B, T, V) gathered for accuracy
 
-    def record_extra(self) -> dict:
+    def record_facts(self) -> dict:
+        from labkit.facts import TensorFacts
         layers = self._unwrapped().config.num_hidden_layers
-        return {"tp": self.tp, "dp": self.dp_size, "mesh": [self.dp_size, self.tp],
-                "sequence_parallel": self.sequence_parallel, "loss_parallel": True,
-                "collectives_first_step": self.collectives or {},
-                "collectives_tp_design_per_micro_batch": expected_collectives(
-                    layers, sequence_parallel=self.sequence_parallel)}
+        return {"tensor": TensorFacts(
+            tp=self.tp, dp=self.dp_size, mesh=[self.dp_size, self.tp],
+            sequence_parallel=self.sequence_parallel, loss_parallel=True,
+            collectives_first_step=self.collectives or {},
+            collectives_tp_design_per_micro_batch=expected_collectives(layers, sequence_parallel=self.sequence_parallel))}
 
 
 STRATEGY_CLASSES = {"tensor": TensorStrategy, "tensor-fsdp": TensorStrategy}

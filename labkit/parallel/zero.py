@@ -266,17 +266,20 @@ class ZeroStrategy(Strategy):
         embed = self.engine.module.get_input_embeddings().weight
         return 6.0 * (self.trainable_params() - getattr(embed, "ds_numel", embed.numel())) * global_tokens
 
-    def record_extra(self) -> dict:
+    def record_facts(self) -> dict:
         from deepspeed.accelerator import get_accelerator
 
+        from labkit.facts import CommFacts, MemoryFacts, ShardingFacts
         master = count_bytes([ds_param_tensors(self.engine.module), master_partitions(self.ds_optimizer)],
                              self.ctx.device)[1]
         param_bytes = sum(self._numel().values()) * 4 if self.cfg.amp == "none" else sum(self._numel().values()) * 2
-        return dict(zero_stage=self.stage, offload=self.offload, ds_accelerator=get_accelerator().device_name(),
-                    ds_config=str(self.config_path or Path(self.cfg.out) / f"ds_config_{self.name}.json"),
-                    ds_optimizer=type(self.optimizer).__name__, master_copy_bytes=sum(master),
-                    comm_bytes_per_rank=comm_bytes_per_step(self.stage, param_bytes, self.dp_size),
-                    offload_physical=self.offload and self.ctx.device.type != "cpu")
+        return dict(sharding=ShardingFacts(
+                        zero_stage=self.stage, ds_accelerator=get_accelerator().device_name(),
+                        ds_config=str(self.config_path or Path(self.cfg.out) / f"ds_config_{self.name}.json"),
+                        ds_optimizer=type(self.optimizer).__name__),
+                    memory=MemoryFacts(offload=bool(self.offload), master_copy_bytes=sum(master),
+                                       offload_physical=bool(self.offload) and self.ctx.device.type != "cpu"),
+                    comm=CommFacts.of(comm_bytes_per_step(self.stage, param_bytes, self.dp_size)))
 
     # ------------------------------------------------------------------ checkpoint / teardown
     def save_checkpoint(self, path: Path) -> None:

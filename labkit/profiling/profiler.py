@@ -59,7 +59,7 @@ def profile_dir(cfg) -> Path:
 
 
 def record_facts(cfg) -> dict:
-    """Facts for RunRecord.extra: how many steps were traced and where the files are."""
+    """`labkit.facts.TrainFacts` fields: how many steps were traced and where the files are."""
     n = len(window(cfg))
     return {"trace_steps": n, "profile_dir": str(profile_dir(cfg)) if n else None}
 

@@ -84,7 +84,7 @@ def _in_process(cfg: TrainConfig) -> results.RunRecord:
 def record_of(out, run_id: str) -> results.RunRecord:
     """The record a run appended to OUT/results.jsonl, found by its run id."""
     for record in reversed(results.load(out)):
-        if record.extra.get("run_id") == run_id:
+        if record.train.run_id == run_id:
             return record
     raise ConfigError(f"no record with run_id {run_id!r} in {out}/results.jsonl; the run did not finish")
 

@@ -18,6 +18,7 @@ import torch
 from labkit import parallel, results
 from labkit.profiling import profiler as profiling
 from labkit.errors import ConfigError
+from labkit.facts import TrainFacts
 from labkit.train import memcap, metrics
 from labkit.train.checkpoint import Checkpointer, Deadline, latest_checkpoint, read_meta
 from labkit.train.config import AMP_DTYPES, parse_deadline
@@ -237,16 +238,16 @@ def _record(cfg, ctx, hook, task, progress, gathered, dataset_size, ckpt):
     peak_tf = metrics.peak_tflops(ctx.device, AMP_DTYPES[cfg.amp])
     steps_per_epoch = dataset_size // cfg.batch
     per_rank = list(zip(*[g["bytes"] for g in gathered]))
-    extra = dict(run_id=cfg.run_id, device_name=metrics.device_name(ctx.device), amp=cfg.amp, accum=cfg.accum,
-                 micro_batch=cfg.batch // hook.dp_size // cfg.accum, dp_size=hook.dp_size, lr=cfg.lr,
-                 activation_checkpointing=cfg.checkpointing, channels_last=cfg.channels_last,
-                 compile=cfg.compile, data=cfg.data, seed=cfg.seed, dataset_size=dataset_size,
-                 steps_per_epoch=steps_per_epoch, epoch_time_s=steps_per_epoch * step_time,
-                 flops_per_step=flops, achieved_tflops=flops / step_time / 1e12 if step_time else 0.0,
-                 peak_tflops_per_device=peak_tf, resumed_from=progress.resumed_from, stopped=progress.stopped,
-                 checkpoint_save_s=ckpt.save_times, **_eval_summary(gathered), **_eval_summary(gathered, "eval_start"),
-                 **profiling.record_facts(cfg),
-                 **hook.record_extra())
+    train = TrainFacts(
+        run_id=cfg.run_id, device_name=metrics.device_name(ctx.device), amp=cfg.amp, accum=cfg.accum,
+        micro_batch=cfg.batch // hook.dp_size // cfg.accum, dp_size=hook.dp_size, lr=cfg.lr,
+        activation_checkpointing=cfg.checkpointing, channels_last=cfg.channels_last,
+        compile=cfg.compile, data=cfg.data, seed=cfg.seed, dataset_size=dataset_size,
+        steps_per_epoch=steps_per_epoch, epoch_time_s=steps_per_epoch * step_time,
+        flops_per_step=flops, achieved_tflops=flops / step_time / 1e12 if step_time else 0.0,
+        peak_tflops_per_device=peak_tf, resumed_from=progress.resumed_from, stopped=progress.stopped,
+        checkpoint_save_s=ckpt.save_times, **_eval_summary(gathered), **_eval_summary(gathered, "eval_start"),
+        **profiling.record_facts(cfg))
     return results.RunRecord(
         strategy=cfg.strategy, model=cfg.model, profile=cfg.profile, world_size=ctx.world_size,
         steps=len(losses), losses=losses, step_time_s=step_time, samples_per_s=samples_per_s,
@@ -254,7 +255,7 @@ def _record(cfg, ctx, hook, task, progress, gathered, dataset_size, ckpt):
         optimizer_bytes=list(per_rank[2]), cpu_offload_bytes=list(per_rank[3]),
         trainable_params=hook.trainable_params(), device=ctx.device.type, dtype=AMP_DTYPES[cfg.amp],
         global_batch=cfg.batch, tokens_per_s=samples_per_s * task.tokens_per_sample,
-        mfu=metrics.mfu(flops, step_time, ctx.world_size, peak_tf), extra=extra)
+        mfu=metrics.mfu(flops, step_time, ctx.world_size, peak_tf), train=train, **hook.record_facts())
 
 
 def _eval_summary(gathered, key: str = "eval") -> dict:

@@ -1,7 +1,7 @@
 """Pipeline schedules as MEASURED in a run: analysis (bubble, in-flight micro-batches) and diagrams.
 
-A pipeline run records, per stage, when it computed which micro-batch (`RunRecord.extra
-["schedule_trace"]`: dicts with stage, kind 'F'/'B', mb, t0, t1 in ms; see
+A pipeline run records, per stage, when it computed which micro-batch (`RunRecord.pipeline
+.schedule_trace`: dicts with stage, kind 'F'/'B', mb, t0, t1 in ms; see
 `labkit.parallel.pipeline_trace.ScheduleTrace`). `plot_schedule` draws them as the familiar GPipe / 1F1B
 picture (Huang et al. 2019; Narayanan et al. 2021, Figs. 3-4): one row per stage, time to the
 right, white space = the bubble. The schedule model that reads the events lives in
@@ -26,8 +26,11 @@ def trace_of(record) -> list[dict]:
     """The schedule events of a pipeline RunRecord (or a dict / an events list given directly)."""
     if isinstance(record, list):
         return record
-    extra = record.get("extra", record) if isinstance(record, dict) else record.extra
-    events = extra.get("schedule_trace")
+    if isinstance(record, dict):  # a record's to_dict() data (schema 2 or 1) or its facts
+        facts = record.get("pipeline") or record.get("extra") or record
+        events = facts.get("schedule_trace")
+    else:
+        events = record.pipeline.schedule_trace if record.pipeline else None
     if not events:
         strategy = getattr(record, "strategy", "this record")
         raise ConfigError(f"{strategy!r} has no schedule_trace; run a pipeline strategy "

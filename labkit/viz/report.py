@@ -26,7 +26,7 @@ def lever_rows(runs: Mapping[str, RunRecord]) -> list[dict]:
     rows = []
     for label, r in runs.items():
         rows.append({"run": label, "samples_per_s": round(r.samples_per_s, 1),
-                     "step_ms": round(r.step_time_s * 1e3, 1), "epoch_min": round(r.extra["epoch_time_s"] / 60, 2),
+                     "step_ms": round(r.step_time_s * 1e3, 1), "epoch_min": round(r.train.epoch_time_s / 60, 2),
                      "peak_MiB": round(max(r.peak_bytes) / 2**20, 1), "final_loss": round(r.losses[-1], 4)})
     return rows
 

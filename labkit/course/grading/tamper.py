@@ -80,7 +80,7 @@ def physical_problems(record: dict[str, Any], device: str) -> list[str]:
                    f" FLOP/s, above the peak of {world} x {device} ({budget:.3g} FLOP/s)")
     fwd = VISION_FWD_FLOPS_224.get(str(record.get("model", "")))
     if fwd:
-        side = (record.get("extra") or {}).get("image_size", 224)
+        side = (record.get("notes") or record.get("extra") or {}).get("image_size", 224)
         need = samples * fwd * (float(side) / 224) ** 2
         if need > budget:
             bad.append(f"{record['model']} at {samples:.3g} samples/s needs {need:.3g} FLOP/s, above the "

@@ -12,7 +12,7 @@ LEVERS = ("baseline", "amp", "accum", "checkpointing", "channels_last")
 
 
 def epoch_seconds(ev: Evidence) -> float:
-    return float(ev.run("baseline").extra["epoch_time_s"])
+    return float(ev.run("baseline").train.epoch_time_s)
 
 
 def amp_speedup(ev: Evidence) -> float:

@@ -5,7 +5,8 @@ the rest against what labkit computes (`labkit.memory.estimate`, `labkit.paralle
 """
 from __future__ import annotations
 
-from labkit.course.grading.checks import (answer_close, answer_equals, bytes_below, cell_ran, figure_present,
+from labkit.facts import MemoryFacts, ShardingFacts
+from labkit.grading.checks import (answer_close, answer_equals, bytes_below, cell_ran, figure_present,
                                    losses_agree, relation)
 from labkit.course.grading.evidence import CheckFailed, Evidence
 
@@ -41,11 +42,11 @@ def offload_host_bytes(ev: Evidence) -> float:
 
 
 def offload_physical(ev: Evidence) -> bool:
-    return bool(ev.run("fsdp-offload").extra["offload_physical"])
+    return bool(ev.run("fsdp-offload").memory.offload_physical)
 
 
 def distributed_type(ev: Evidence) -> str:
-    return str(ev.run("accelerate").extra["distributed_type"])
+    return str(ev.run("accelerate").accelerate.distributed_type)
 
 
 #: Bytes per element of the gathered (unsharded) parameters by MixedPrecisionPolicy param_dtype.
@@ -56,8 +57,10 @@ def _holds_all(ev: Evidence):
     # Measured, not memorised: the FSDP runs whose params between forward and backward were the full model.
     # A run whose MixedPrecisionPolicy gathers bf16/fp16 holds half of ddp's fp32 bytes yet all params.
     full = ev.run("ddp").param_bytes[0]
-    holders = sorted(k for k in FSDP_RUNS if ev.run(k).extra.get("param_bytes_after_forward", 0)
-                     >= full * _GATHERED_BYTES.get(ev.run(k).extra.get("param_dtype"), 4) / 4)
+    memory = {k: ev.run(k).memory or MemoryFacts() for k in FSDP_RUNS}
+    dtype = {k: (ev.run(k).sharding or ShardingFacts()).param_dtype for k in FSDP_RUNS}
+    holders = sorted(k for k in FSDP_RUNS if (memory[k].param_bytes_after_forward or 0)
+                     >= full * _GATHERED_BYTES.get(dtype[k], 4) / 4)
     if not holders:
         raise CheckFailed("no FSDP run recorded its parameter bytes after forward; re-run section 2")
     got = ev.answer("04.holds_all_params")

@@ -31,7 +31,7 @@ def zero2_grad_ratio(ev: Evidence) -> float:
 
 
 def zero1_master_bytes(ev: Evidence) -> float:
-    return float(ev.run("zero1").extra["master_copy_bytes"])
+    return float(ev.run("zero1").memory.master_copy_bytes)
 
 
 def zero2_fsdp_name(ev: Evidence) -> str:

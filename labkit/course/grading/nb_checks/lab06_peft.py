@@ -33,7 +33,7 @@ def first_fit(ev: Evidence) -> str:
 
 
 def lora_fraction(ev: Evidence) -> float:
-    return float(ev.run("lora").extra["trainable_fraction"])
+    return float(ev.run("lora").peft.trainable_fraction)
 
 
 def qlora_slowdown(ev: Evidence) -> float:
@@ -41,7 +41,7 @@ def qlora_slowdown(ev: Evidence) -> float:
 
 
 def adapter_bytes(ev: Evidence) -> float:
-    return float(ev.run("lora").extra["adapter_bytes"])
+    return float(ev.run("lora").peft.adapter_bytes)
 
 
 def _adapters_train_few(ev: Evidence):

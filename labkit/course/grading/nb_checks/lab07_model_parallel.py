@@ -7,7 +7,8 @@ of TP=8 x PP=8 x DP=8 (7.4) are no longer questions: the first is the code exerc
 """
 from __future__ import annotations
 
-from labkit.course.grading.checks import (answer_close, answer_equals, bytes_below, cell_ran, figure_present,
+from labkit.facts import PipelineFacts
+from labkit.grading.checks import (answer_close, answer_equals, bytes_below, cell_ran, figure_present,
                                    losses_agree, relation)
 from labkit.course.grading.evidence import CheckFailed, Evidence
 
@@ -41,7 +42,7 @@ def _layout_fits(ev: Evidence):
 
 def _1f1b_holds_fewer(ev: Evidence):
     # The measured schedules: 1F1B caps stage 0's in-flight micro-batches at p, GPipe holds all m.
-    g, f = (ev.run(k).extra.get("max_in_flight") for k in ("gpipe", "1f1b"))
+    g, f = ((ev.run(k).pipeline or PipelineFacts()).max_in_flight for k in ("gpipe", "1f1b"))
     if not g or not f:
         raise CheckFailed("the pipeline runs carry no measured schedule; re-run section 1")
     return f[0] < g[0], f"stage 0 held at most {f[0]} micro-batches under 1F1B, {g[0]} under GPipe"

@@ -15,13 +15,13 @@ NOTEBOOK = "08_profiling_and_stacking"
 
 
 def nf4_rank0(ev: Evidence) -> float:
-    x = ev.run("fsdp_qlora").extra
-    return x["packed_4bit_rank_bytes"] / x["packed_4bit_full_bytes"]
+    x = ev.run("fsdp_qlora").peft
+    return x.packed_4bit_rank_bytes / x.packed_4bit_full_bytes
 
 
 def _adapters_only(ev: Evidence):
     r = ev.run("fsdp_qlora")
-    total = r.extra.get("total_params") or 0
+    total = (r.peft.total_params if r.peft else None) or 0
     ok = 0 < r.trainable_params < 0.5 * total
     return ok, f"fsdp_qlora trains {r.trainable_params:,} of {total:,} parameters"
 

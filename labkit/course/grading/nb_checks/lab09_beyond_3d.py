@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import functools
 
-from labkit.course.grading.checks import answer_close, answer_equals, cell_ran, figure_present, losses_agree, relation
-from labkit.course.grading.evidence import CheckFailed, Evidence
+from labkit.facts import ExpertFacts, PipelineFacts
+from labkit.grading.checks import answer_close, answer_equals, cell_ran, figure_present, losses_agree, relation
+from labkit.grading.evidence import CheckFailed, Evidence
 
 NOTEBOOK = "09_beyond_3d"
 GPU_COUNTS = (64, 128, 256, 512, 1024)
@@ -63,7 +64,7 @@ def _cheapest_layout(ev: Evidence):
 
 
 def _zero_bubble_splits_backward(ev: Evidence):
-    events = ev.run("zero_bubble").extra.get("schedule_trace") or []
+    events = (ev.run("zero_bubble").pipeline or PipelineFacts()).schedule_trace
     n = sum(e.get("kind") == "W" for e in events)
     return n > 0, f"the zero-bubble schedule ran {n} weight-gradient (W) chunks"
 
@@ -89,7 +90,8 @@ def _ring_merge(ev: Evidence):
 
 def _ep_holds_a_share(ev: Evidence):
     rec = ev.run("expert_parallel")
-    mine, total, n = (rec.extra.get(k) for k in ("expert_param_bytes", "expert_param_bytes_all_ranks", "ep"))
+    x = rec.expert or ExpertFacts()
+    mine, total, n = x.expert_param_bytes, x.expert_param_bytes_all_ranks, x.ep
     ok = bool(mine) and bool(n) and n > 1 and mine * n == total
     return ok, f"each rank holds {mine} of {total} expert bytes (ep={n})"
 
