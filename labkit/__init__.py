@@ -6,8 +6,8 @@ _quiet.install()  # third-party import noise a student cannot act on (labkit.qui
 
 def _course_seal(payload: dict, text: str) -> dict:
     """The course layer's seal on what a notebook publishes, imported when the first payload is shown,
-    so `import labkit.results` (the core) never imports `labkit.grading` (labkit.results says why)."""
-    from labkit.grading.fingerprint import seal
+    so `import labkit.results` (the core) never imports `labkit.course.grading` (labkit.results says why)."""
+    from labkit.course.grading.fingerprint import seal
 
     return seal(payload, text)
 

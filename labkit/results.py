@@ -9,9 +9,9 @@ onto the groups; a record from a newer labkit is a one-line error naming the fil
 Notebooks call `show(record)` / `answer(key, value)`, which put the data into the cell output under
 the MIME type `application/vnd.labkit+json`, so grading reads data, never printed text. The payload
 passes through the publishers registered with `register_publisher(name, fn)` first: the course layer
-seals it (`labkit.grading.fingerprint.seal`). This module never imports the course layer: the package
-root (`labkit/__init__.py`) registers the seal, importing `labkit.grading` only when a notebook first
-publishes, and `import labkit.grading` registers it too; so a notebook needs no extra line.
+seals it (`labkit.course.grading.fingerprint.seal`). This module never imports the course layer: the package
+root (`labkit/__init__.py`) registers the seal, importing `labkit.course.grading` only when a notebook first
+publishes, and `import labkit.course.grading` registers it too; so a notebook needs no extra line.
 Introduced in notebook 02_single_gpu.
 """
 from __future__ import annotations
@@ -202,7 +202,7 @@ def answer(key: str, value: Any) -> Any:
 def from_notebook(nb) -> list[dict[str, Any]]:
     """Every labkit payload in an executed notebook (nbformat node), in cell order, with cell index.
 
-    Payloads keep their `fingerprint` (the seal `labkit.grading.tamper` verifies), if one was added."""
+    Payloads keep their `fingerprint` (the seal `labkit.course.grading.tamper` verifies), if one was added."""
     found = []
     for index, cell in enumerate(nb.cells):
         for output in cell.get("outputs", []) if cell.cell_type == "code" else []:

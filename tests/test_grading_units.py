@@ -79,7 +79,7 @@ def test_sealed_notebook_is_clean_and_moved_or_recounted_outputs_are_not():
 def test_a_notebook_sealed_before_typed_facts_still_grades():
     # Schema 1 (a flat `extra`), sealed by the labkit of that time: the seal holds on the stored data and
     # the checks read the facts it maps to.
-    from labkit.grading.nb_checks import lab05_zero
+    from labkit.course.grading.nb_checks import lab05_zero
     old = _run("zero1", strategy="zero1", schema=1, extra={"master_copy_bytes": 4096, "zero_stage": 1,
                                                          "comm_bytes_per_rank": {"all_gather": 10, "reduce_scatter": 10}})
     nb = _nb(old)

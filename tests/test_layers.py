@@ -56,6 +56,10 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if module == "labkit.__main__":
         return "cli"
+    if module == "labkit":
+        # the package root wires the layers together: it registers the course's seal on
+        # `labkit.results`' publish hook (lazily), so the core itself never imports the course
+        return "root"
     return parts[1] if len(parts) > 1 and parts[1] in UPPER else "core"
 
 
@@ -98,7 +102,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_core_never_imports_course_viz_or_cli():
     bad = sorted(f"{a} -> {b}" for a, targets in arrows().items() for b in targets
-                 if layer(a) == "core" and layer(b) != "core" and not b.startswith("labkit.profiling"))
+                 if layer(a) == "core" and layer(b) in UPPER)
     assert bad == [], "the core must not import these layers (publish through a hook instead):\n" + "\n".join(bad)
 
 
@@ -113,6 +117,7 @@ def test_the_checks_can_fail():
     assert circles(graph) == [["labkit.course.grading.fingerprint", "labkit.results"]]
     assert layer("labkit.results") == "core" and layer("labkit.course.grading.fingerprint") == "course"
     assert layer("labkit.viz.figures") == "viz" and layer("labkit.__main__") == "cli"
+    assert layer("labkit.parallel.ddp") == "core" and layer("labkit") == "root"
 
 
 @pytest.mark.parametrize("folder", ["viz", "profiling", "course"])

@@ -78,7 +78,7 @@ def test_a_record_from_a_newer_labkit_is_one_line_naming_the_file(tmp_path):
 
 
 def test_the_core_does_not_import_the_course_layer():
-    code = "import sys, labkit.results; print(sorted(m for m in sys.modules if m.startswith('labkit.grading')))"
+    code = "import sys, labkit.results; print(sorted(m for m in sys.modules if m.startswith('labkit.course.grading')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -133,7 +133,7 @@ def test_show_and_answer_land_in_an_executed_notebook(run_cells):
     assert [(p["cell"], p["kind"], p["key"]) for p in payloads] == [(0, "run", "ddp-baseline"),
                                                                     (1, "answer", "q_speedup")]
     assert RunRecord.from_dict(payloads[0]["record"]) == rec
-    from labkit.grading.fingerprint import seal_problem
+    from labkit.course.grading.fingerprint import seal_problem
     for payload, cell in zip(payloads, nb.cells):  # sealed by the course hook, with no extra line in the notebook
         out = cell.outputs[0]["data"]
         assert payload["fingerprint"]["cell_sha256"] and seal_problem(out[MIME], out["text/plain"]) is None

@@ -58,5 +58,7 @@ def comm(as_json: bool, plot_path: str | None, **options) -> None:
     """all_reduce, all_gather, reduce_scatter, all_to_all, broadcast: time, algbw and busbw per size."""
     rows = run_comm(**options)
     if plot_path:
-        commbench.plot_bandwidth(rows).savefig(plot_path, dpi=120)
+        from labkit.viz.figures import plot_bandwidth
+
+        plot_bandwidth(rows).savefig(plot_path, dpi=120)
     click.echo(json.dumps([asdict(r) for r in rows], indent=1) if as_json else commbench.format_table(rows))

@@ -453,3 +453,29 @@ def lora_update(d: int = 4096, k: int = 4096, r: int = 8, *, ax=None):
     a.set_title(f"LoRA on one {d} x {k} projection, rank r = {r} (B and A drawn 8x wider)", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def plot_bandwidth(rows: list[CommMeasurement], *, ax=None, which: str = "busbw"):
+    """Bus (or algorithm) bandwidth vs message size, one line per collective (rows of
+    `labkit.profiling.commbench.measure`); returns the Figure. Introduced in notebook 09_beyond_3d."""
+    from labkit.errors import choices_error
+    from labkit.profiling.commbench import OPS
+
+    if which not in ("busbw", "algbw"):
+        raise choices_error("bandwidth", which, ("busbw", "algbw"))
+    fig, a = _axes(ax, (6.5, 3.8))
+    for color, op in zip(RANK_COLORS, OPS):
+        mine = sorted((r for r in rows if r.op == op), key=lambda r: r.bytes)
+        if mine:
+            a.plot([r.bytes for r in mine], [getattr(r, f"{which}_gbps") for r in mine], "o-", lw=2,
+                   color=color, label=op)
+    a.set_xscale("log", base=2)
+    a.set_xlabel("message size S (bytes)")
+    a.set_ylabel(f"{which} (GB/s)")
+    n = rows[0].world_size if rows else "?"
+    backend = rows[0].backend if rows else ""
+    a.set_title(f"collective {which} vs size: {n} ranks, {backend}")
+    a.legend(fontsize=8)
+    a.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig

@@ -6,6 +6,6 @@ registers the seal as a `labkit.results` publisher (`labkit/__init__.py` registe
 `show/answer` may import it for that, so this file stays free of heavy imports.
 """
 from labkit import results as _results
-from labkit.grading.fingerprint import seal as _seal
+from labkit.course.grading.fingerprint import seal as _seal
 
 _results.register_publisher("seal", _seal)

@@ -6,7 +6,7 @@ the rest against what labkit computes (`labkit.memory.estimate`, `labkit.paralle
 from __future__ import annotations
 
 from labkit.facts import MemoryFacts, ShardingFacts
-from labkit.grading.checks import (answer_close, answer_equals, bytes_below, cell_ran, figure_present,
+from labkit.course.grading.checks import (answer_close, answer_equals, bytes_below, cell_ran, figure_present,
                                    losses_agree, relation)
 from labkit.course.grading.evidence import CheckFailed, Evidence
 

@@ -8,7 +8,7 @@ of TP=8 x PP=8 x DP=8 (7.4) are no longer questions: the first is the code exerc
 from __future__ import annotations
 
 from labkit.facts import PipelineFacts
-from labkit.grading.checks import (answer_close, answer_equals, bytes_below, cell_ran, figure_present,
+from labkit.course.grading.checks import (answer_close, answer_equals, bytes_below, cell_ran, figure_present,
                                    losses_agree, relation)
 from labkit.course.grading.evidence import CheckFailed, Evidence
 

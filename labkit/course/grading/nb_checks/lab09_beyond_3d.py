@@ -8,8 +8,8 @@ from __future__ import annotations
 import functools
 
 from labkit.facts import ExpertFacts, PipelineFacts
-from labkit.grading.checks import answer_close, answer_equals, cell_ran, figure_present, losses_agree, relation
-from labkit.grading.evidence import CheckFailed, Evidence
+from labkit.course.grading.checks import answer_close, answer_equals, cell_ran, figure_present, losses_agree, relation
+from labkit.course.grading.evidence import CheckFailed, Evidence
 
 NOTEBOOK = "09_beyond_3d"
 GPU_COUNTS = (64, 128, 256, 512, 1024)
