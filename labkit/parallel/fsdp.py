@@ -182,7 +182,7 @@ def apply_fsdp(model: nn.Module, mesh, *, cfg, plan: FsdpPlan | None = None) -> 
 
     device = torch.device(mesh.device_type)
     kwargs = dict(mesh=mesh, reshard_after_forward=plan.reshard_after_forward,
-                  mp_policy=mp_policy_for(getattr(cfg, "amp", "none")), offload_policy=offload_policy_for(plan, device))
+                  mp_policy=mp_policy_for(getattr(getattr(cfg, "precision", None), "amp", "none")), offload_policy=offload_policy_for(plan, device))
     for unit in wrap_units(model, plan.wrap, plan.min_num_params):
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
@@ -225,18 +225,18 @@ class FSDPStrategy(Strategy):
     def check(cls, cfg, world_size: int) -> None:
         super().check(cfg, world_size)
         if cfg.kind != "llm":
-            raise ConfigError(f"strategy {cfg.strategy!r} shards transformer blocks; use an LLM such as "
-                              f"--model tiny-llama, not {cfg.model!r} (or --strategy ddp for ResNets)")
-        if cfg.strategy == "fsdp-hybrid":
-            mesh_shape(VARIANTS["fsdp-hybrid"], world_size, cfg.nnodes)
+            raise ConfigError(f"strategy {cfg.run.strategy!r} shards transformer blocks; use an LLM such as "
+                              f"--model tiny-llama, not {cfg.run.model!r} (or --strategy ddp for ResNets)")
+        if cfg.run.strategy == "fsdp-hybrid":
+            mesh_shape(VARIANTS["fsdp-hybrid"], world_size, cfg.launch.nnodes)
 
     def build_model(self) -> nn.Module:
         # Rank 0 builds the real model in host memory, the others on the meta device (loading.py).
-        return loading.build_on_rank0(self.cfg.model, self.ctx.rank, seed=self.cfg.seed)
+        return loading.build_on_rank0(self.cfg.run.model, self.ctx.rank, seed=self.cfg.run.seed)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         full = loading.full_state_on_rank0(model, self.ctx.rank)
-        self.mesh = build_mesh(self.plan, self.ctx.device, self.ctx.world_size, self.cfg.nnodes)
+        self.mesh = build_mesh(self.plan, self.ctx.device, self.ctx.world_size, self.cfg.launch.nnodes)
         units = wrap_units(model, self.plan.wrap, self.plan.min_num_params)
         self.units = unit_sizes(model, units)
         apply_fsdp(model, self.mesh, cfg=self.cfg, plan=self.plan)
@@ -281,9 +281,9 @@ class FSDPStrategy(Strategy):
         return ResidentBytes(max(rest[0], held[0]), grads[0], optim[0], rest[1] + grads[1] + optim[1])
 
     def record_extra(self) -> dict:
-        shape, names = mesh_shape(self.plan, self.ctx.world_size, self.cfg.nnodes)
+        shape, names = mesh_shape(self.plan, self.ctx.world_size, self.cfg.launch.nnodes)
         full_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        mp = mp_policy_for(self.cfg.amp)
+        mp = mp_policy_for(self.cfg.precision.amp)
         name = lambda dtype: str(dtype or torch.float32).removeprefix("torch.")  # noqa: E731
         extra = dict(mesh_shape=list(shape), mesh_dims=list(names), reshard_after_forward=self.plan.reshard_after_forward,
                      wrap_policy=self.plan.wrap, fsdp_units=len(self.units), unit_params=self.units,
@@ -354,10 +354,10 @@ def _wrap_rows(policies: dict, cfg, ctx) -> list[dict]:
     from labkit.models import build_llm
 
     rows = []
-    tokens = torch.arange(cfg.batch // ctx.world_size * cfg.seq_len).reshape(-1, cfg.seq_len).to(ctx.device)
+    tokens = torch.arange(cfg.optim.batch // ctx.world_size * cfg.run.seq_len).reshape(-1, cfg.run.seq_len).to(ctx.device)
     for label, changes in policies.items():
         plan = plan_for("fsdp", **changes)
-        model = build_llm(cfg.model, seed=cfg.seed).to(ctx.device)
+        model = build_llm(cfg.run.model, seed=cfg.run.seed).to(ctx.device)
         sizes = unit_sizes(model, wrap_units(model, plan.wrap, plan.min_num_params))
         apply_fsdp(model, build_mesh(plan, ctx.device, ctx.world_size), cfg=cfg, plan=plan)
         peak = [0]

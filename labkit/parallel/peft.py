@@ -61,8 +61,8 @@ class LoraSettings:
         """Settings from a TrainConfig (or a LoraSettings, returned as is)."""
         if isinstance(cfg, cls):
             return cfg
-        return cls(rank=cfg.lora_rank, alpha=float(cfg.lora_alpha), dropout=float(cfg.lora_dropout),
-                   targets=cfg.lora_targets)
+        return cls(rank=cfg.peft.lora_rank, alpha=float(cfg.peft.lora_alpha), dropout=float(cfg.peft.lora_dropout),
+                   targets=cfg.peft.lora_targets)
 
 
 def frozen_base_dtype(amp: str | None) -> torch.dtype:
@@ -278,12 +278,12 @@ class LoraStrategy(Strategy):
     def check(cls, cfg, world_size: int) -> None:
         super().check(cfg, world_size)
         if cfg.kind != "llm":
-            raise ConfigError(f"--strategy {cfg.strategy} adapts a transformer's linear layers; {cfg.model!r} "
+            raise ConfigError(f"--strategy {cfg.run.strategy} adapts a transformer's linear layers; {cfg.run.model!r} "
                               "is an image model: use an LLM such as tiny-llama")
         LoraSettings.of(cfg)
         from labkit.optim import OPTIMIZERS
-        optimizer = cfg.optimizer or cls.default_optimizer
-        if world_size > 1 and cfg.lora_parallel == "fsdp" and OPTIMIZERS[optimizer].library != "torch":
+        optimizer = cfg.optim.optimizer or cls.default_optimizer
+        if world_size > 1 and cfg.peft.lora_parallel == "fsdp" and OPTIMIZERS[optimizer].library != "torch":
             # FSDP2 hands the optimizer DTensor shards; bitsandbytes' update kernels have no DTensor
             # sharding rule ("Operator bitsandbytes.optimizer_update_32bit ... no sharding strategy").
             raise ConfigError(f"--optimizer {optimizer} (bitsandbytes) cannot step FSDP2's sharded DTensor "
@@ -293,17 +293,17 @@ class LoraStrategy(Strategy):
         from labkit.models import build_model
         # The frozen base in the run's 16-bit compute dtype (what the estimator counts: 2 B/param under
         # bf16), not fp32 -- and never in whatever dtype a checkpoint happened to be saved in.
-        dtype = frozen_base_dtype(self.cfg.amp)
-        base = build_model(self.cfg.model, seed=self.cfg.seed, dtype=dtype).to(self.ctx.device)
+        dtype = frozen_base_dtype(self.cfg.precision.amp)
+        base = build_model(self.cfg.run.model, seed=self.cfg.run.seed, dtype=dtype).to(self.ctx.device)
         # A's random init (B = 0) from the run's seed, whatever building the base drew from the RNG
-        torch.manual_seed(self.cfg.seed)
+        torch.manual_seed(self.cfg.run.seed)
         # .train(): a checkpoint folder comes back from from_pretrained in eval mode
         return apply_lora(base, self.ctx.group, cfg=self.cfg).train()
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.ctx.world_size == 1:
             return model
-        if self.cfg.lora_parallel == "fsdp":
+        if self.cfg.peft.lora_parallel == "fsdp":
             return _apply_fsdp(model, self.ctx, self.cfg)
         from labkit.parallel.ddp import apply_ddp
         return apply_ddp(model, self.ctx.group, cfg=self.cfg)  # DDP all-reduces only the adapters' grads
@@ -319,8 +319,8 @@ class LoraStrategy(Strategy):
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         from labkit import optim
-        name = getattr(self.cfg, "optimizer", None) or self.default_optimizer
-        return optim.build_optimizer(name, [p for p in model.parameters() if p.requires_grad], self.cfg.lr)
+        name = getattr(getattr(self.cfg, "optim", None), "optimizer", None) or self.default_optimizer
+        return optim.build_optimizer(name, [p for p in model.parameters() if p.requires_grad], self.cfg.optim.lr)
 
     # Checkpoints keep only what trains: the frozen base comes back from its seed / checkpoint.
     def state_dict(self) -> dict:
@@ -350,7 +350,7 @@ class LoraStrategy(Strategy):
                 "lora_dropout": settings.dropout,
                 "lora_targets": sorted(_unwrap(self.model).peft_config["default"].target_modules),
                 "trainable_fraction": trainable / total, "total_params": total,
-                "lora_parallel": self.cfg.lora_parallel if self.ctx.world_size > 1 else None,
+                "lora_parallel": self.cfg.peft.lora_parallel if self.ctx.world_size > 1 else None,
                 **self._adapter_facts()}
 
     def evaluate(self, batches: list) -> dict | None:
@@ -368,7 +368,7 @@ class LoraStrategy(Strategy):
             state = get_model_state_dict(self.model, options=StateDictOptions(
                 full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
         if self.ctx.is_main:
-            path = Path(self.cfg.out) / "adapters" / (self.cfg.run_id or self.cfg.strategy)
+            path = Path(self.cfg.run.out) / "adapters" / (self.cfg.run.run_id or self.cfg.run.strategy)
             self.adapter = {"adapter_bytes": save_adapter(self.model, path, state_dict=state),
                             "adapter_path": str(path)}
 
@@ -388,29 +388,29 @@ class QLoraStrategy(LoraStrategy):
         # QLoRA computes in 16 bit (bf16; fp16 on V100): the embedding and head are stored in it too,
         # so an fp32 profile ('smoke') still runs its forward under bf16 autocast.
         from labkit.train import levers
-        self.amp = cfg.amp if cfg.amp in ("bf16", "fp16") else "bf16"
+        self.amp = cfg.precision.amp if cfg.precision.amp in ("bf16", "fp16") else "bf16"
         self.precision = levers.Precision(self.amp, ctx.device)
 
     def build_model(self) -> nn.Module:
         compute = torch.float16 if self.amp == "fp16" else torch.bfloat16
         model = load_4bit(self.base_checkpoint(), device=self.ctx.device, compute_dtype=compute)
-        torch.manual_seed(self.cfg.seed)  # same adapter init whether or not the base was just saved
-        model = apply_qlora(model, self.ctx.group, cfg=self.cfg, checkpointing=self.cfg.checkpointing)
+        torch.manual_seed(self.cfg.run.seed)  # same adapter init whether or not the base was just saved
+        model = apply_qlora(model, self.ctx.group, cfg=self.cfg, checkpointing=self.cfg.memory.checkpointing)
         return model.train()  # from_pretrained returns eval mode
 
     def base_checkpoint(self) -> Path:
         """The folder `from_pretrained` loads: the checkpoint itself, or (smoke) the seeded preset saved
         once to OUT/base/<model>-seed<seed>, like a downloaded checkpoint. Rank 0 writes it."""
         from labkit.models import checkpoint_dir
-        folder = checkpoint_dir(self.cfg.model)  # a local checkpoint or a cached HF id
+        folder = checkpoint_dir(self.cfg.run.model)  # a local checkpoint or a cached HF id
         if folder is not None:
             return folder
-        path = Path(self.cfg.out) / "base" / f"{self.cfg.model}-seed{self.cfg.seed}"
+        path = Path(self.cfg.run.out) / "base" / f"{self.cfg.run.model}-seed{self.cfg.run.seed}"
         if self.ctx.is_main and not (path / "config.json").is_file():
             from labkit.models import save_llm
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=path.parent))
-            save_llm(self.cfg.model, tmp, seed=self.cfg.seed)
+            save_llm(self.cfg.run.model, tmp, seed=self.cfg.run.seed)
             os.replace(tmp, path)  # atomic: a crashed save never looks complete
         if self.ctx.group is not None:
             import torch.distributed as dist
@@ -439,7 +439,7 @@ def _apply_fsdp(model: nn.Module, ctx, cfg) -> nn.Module:
     trainable adapters sharded together (FSDP2 shards per parameter, so mixed requires_grad is fine)."""
     from labkit.parallel import fsdp
 
-    mesh = fsdp.build_mesh(fsdp.VARIANTS["fsdp"], ctx.device, ctx.world_size, cfg.nnodes)
+    mesh = fsdp.build_mesh(fsdp.VARIANTS["fsdp"], ctx.device, ctx.world_size, cfg.launch.nnodes)
     return fsdp.apply_fsdp(model, mesh, cfg=cfg)
 
 

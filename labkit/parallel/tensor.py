@@ -130,7 +130,7 @@ def apply_tensor_fsdp(model: nn.Module, mesh, *, cfg=None, sequence_parallel: bo
     apply_tensor(model, mesh["tp"], cfg=cfg, sequence_parallel=sequence_parallel)
     if levers is not None:
         model = levers(model)
-    amp = getattr(cfg, "amp", "none")
+    amp = getattr(getattr(cfg, "precision", None), "amp", "none")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if amp == "bf16" else None
     kwargs = {"mesh": mesh["dp"], **({"mp_policy": mp} if mp else {})}
     for layer in model.model.layers:
@@ -183,9 +183,9 @@ def count_collectives(fn) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------ hook
 def tp_degree(cfg, world_size: int) -> int:
     """'tensor': every rank is one TP group. 'tensor-fsdp': TP inside a node (tp = --nproc), DP across."""
-    if cfg.strategy == "tensor":
+    if cfg.run.strategy == "tensor":
         return world_size
-    return max(1, min(getattr(cfg, "tp", None) or cfg.nproc, world_size))
+    return max(1, min(getattr(cfg, "tp", None) or cfg.launch.nproc, world_size))
 
 
 def _full(t):
@@ -214,13 +214,13 @@ class TensorStrategy(Strategy):
     @classmethod
     def check(cls, cfg, world_size: int) -> None:
         if cfg.kind != "llm":
-            raise ConfigError(f"strategy {cfg.strategy!r} splits transformer heads; {cfg.model!r} is not an "
+            raise ConfigError(f"strategy {cfg.run.strategy!r} splits transformer heads; {cfg.run.model!r} is not an "
                               "LLM: use --model tiny-llama (or a Llama preset / checkpoint)")
         tp = tp_degree(cfg, world_size)
         if world_size % tp:
             raise ConfigError(f"{world_size} ranks do not form whole TP groups of {tp}; use --nproc {tp} per node")
         from labkit.models import llm_config
-        check_divisible(llm_config(cfg.model), tp)
+        check_divisible(llm_config(cfg.run.model), tp)
         super().check(cfg, world_size)
 
     def parallelize(self, model: nn.Module) -> nn.Module:
@@ -228,13 +228,13 @@ class TensorStrategy(Strategy):
         from labkit.train import levers
 
         self.mesh = build_mesh(self.ctx.device, self.dp_size, self.tp)
-        lever = levers.apply_activation_checkpointing if self.cfg.checkpointing else None
+        lever = levers.apply_activation_checkpointing if self.cfg.memory.checkpointing else None
         if self.name == "tensor":
             model = apply_tensor(model, self.mesh["tp"], cfg=self.cfg)
             model = lever(model) if lever else model
         else:
             model = apply_tensor_fsdp(model, self.mesh, cfg=self.cfg, levers=lever)
-        return levers.apply_compile(model) if self.cfg.compile else model
+        return levers.apply_compile(model) if self.cfg.precision.compile else model
 
     def train_step(self, micro_batches: list, loss_fn):
         from torch.distributed.tensor.parallel import loss_parallel
