@@ -42,8 +42,9 @@ def run(strategy: str, model: str, *, timeout_s: float | None = None, stream: bo
         **options) -> results.RunRecord | None:
     """Train and return the RunRecord (None on nodes other than node 0 of a multi-node job).
 
-    `options` are TrainConfig fields: profile, nproc, steps, out, seed, amp, accum, checkpointing,
-    batch, lr, channels_last, compile, checkpoint_every, resume, deadline, data, ...
+    `options` are TrainConfig fields by their flat names (profile, nproc, steps, out, seed, amp, accum,
+    checkpointing, batch, lr, ..., the `labkit train` option names): `config.FIELD_SECTION` maps each
+    to its section; an unknown name is a ConfigError listing the valid ones.
     """
     cfg = make_config(strategy, model, **options)
     require_hardware(cfg.run.profile)
