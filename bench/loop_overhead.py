@@ -32,13 +32,13 @@ WARMUP = 2
 def plain_step_time(model_name: str, profile: str, steps: int) -> float:
     """The textbook loop: zero_grad, forward, loss, backward, step."""
     cfg = make_config("single", model_name, profile=profile, steps=steps)
-    device = torch.device("cuda" if cfg.profile != "smoke" and torch.cuda.is_available() else "cpu")
-    torch.manual_seed(cfg.seed)
-    model = build_model(model_name, seed=cfg.seed).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    device = torch.device("cuda" if cfg.run.profile != "smoke" and torch.cuda.is_available() else "cpu")
+    torch.manual_seed(cfg.run.seed)
+    model = build_model(model_name, seed=cfg.run.seed).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=0.0)
     train_set, _ = build_datasets(cfg, make_task(cfg))
-    batches = iter(StepLoader(train_set, global_batch=cfg.batch, dp_rank=0, dp_size=1, seed=cfg.seed,
-                              workers=cfg.workers))
+    batches = iter(StepLoader(train_set, global_batch=cfg.optim.batch, dp_rank=0, dp_size=1, seed=cfg.run.seed,
+                              workers=cfg.run.workers))
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()

@@ -63,9 +63,10 @@ def _before(name: str, world: int, nproc: int) -> tuple[int, list[int]]:
                                         if n != "single" or w == 1])  # 'single' refuses > 1 rank (above)
 def test_presets_agree_with_what_each_strategy_did_before(name, world):
     nnodes = 2 if world >= 4 else 1  # tensor-fsdp: TP inside a node of world / 2 ranks
-    cfg = SimpleNamespace(strategy=name, nproc=world // nnodes, nnodes=nnodes, tp=None)
+    cfg = SimpleNamespace(run=SimpleNamespace(strategy=name), launch=SimpleNamespace(nproc=world // nnodes, nnodes=nnodes),
+                          tp=None)
     dims = ParallelDims.for_config(cfg, world)
-    dp, ranks = _before(name, world, cfg.nproc)
+    dp, ranks = _before(name, world, cfg.launch.nproc)
     assert dims.world_size == world
     assert (dims.dp_size, [dims.dp_rank(r) for r in range(world)]) == (dp, ranks)
     assert parallel.strategy_class(name).dp_size_for(cfg, world) == dp

@@ -96,7 +96,7 @@ def test_full_fine_tune_params_are_fp32_whatever_the_checkpoint_was_saved_in(sav
     make_hf_cache(tmp_path, "labkit-test/saved", dtype=saved)
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    hook = _hook(TrainConfig(strategy="single", model="labkit-test/saved", amp="bf16"))
+    hook = _hook(TrainConfig.of(strategy="single", model="labkit-test/saved", amp="bf16"))
     assert {p.dtype for p in hook.model.parameters()} == {torch.float32}
     # memory-efficient loading: rank 0 loads, the meta ranks must build the same dtype (not the config's)
     for rank in (0, 1):
@@ -107,7 +107,7 @@ def test_full_fine_tune_params_are_fp32_whatever_the_checkpoint_was_saved_in(sav
 def test_a_frozen_lora_base_loads_in_the_compute_dtype(offline, amp, base):
     from labkit.train.config import TrainConfig
 
-    hook = _hook(TrainConfig(strategy="lora", model=REPO, amp=amp))
+    hook = _hook(TrainConfig.of(strategy="lora", model=REPO, amp=amp))
     frozen = {p.dtype for p in hook.model.parameters() if not p.requires_grad}
     trained = {p.dtype for p in hook.model.parameters() if p.requires_grad}
     assert frozen == {base} and trained == {torch.float32}  # adapters keep an fp32 copy for AdamW
@@ -119,7 +119,7 @@ def _hook(cfg):
     from labkit.train.worker import local_context
 
     cfg = cfg.resolve()
-    hook = parallel.make_strategy(cfg.strategy, local_context(cfg), cfg, make_task(cfg))
+    hook = parallel.make_strategy(cfg.run.strategy, local_context(cfg), cfg, make_task(cfg))
     hook.setup()
     return hook
 

@@ -85,8 +85,8 @@ def test_train_takes_the_lease_end_as_its_default_deadline(monkeypatch):
 
     end = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=2)).replace(microsecond=0)
     monkeypatch.setenv("LABKIT_LEASE_END", end.isoformat())
-    assert make_config("single", "tiny-llama", steps=2).deadline == end.isoformat()
+    assert make_config("single", "tiny-llama", steps=2).checkpoint.deadline == end.isoformat()
     given = (end - dt.timedelta(hours=1)).isoformat()
-    assert make_config("single", "tiny-llama", steps=2, deadline=given).deadline == given
+    assert make_config("single", "tiny-llama", steps=2, deadline=given).checkpoint.deadline == given
     monkeypatch.delenv("LABKIT_LEASE_END")
-    assert make_config("single", "tiny-llama", steps=2).deadline is None
+    assert make_config("single", "tiny-llama", steps=2).checkpoint.deadline is None

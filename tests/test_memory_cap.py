@@ -37,7 +37,7 @@ def test_a_cap_must_be_a_positive_size(cap):
     from labkit.train.config import TrainConfig
 
     with pytest.raises(ConfigError, match="memory_cap_gb"):
-        TrainConfig(strategy="single", model="tiny-llama", memory_cap_gb=cap)
+        TrainConfig.of(strategy="single", model="tiny-llama", memory_cap_gb=cap)
 
 
 def test_on_cuda_the_cap_is_the_allocators_fraction_for_the_run_only(monkeypatch):

@@ -91,7 +91,7 @@ def test_default_adamw_matches_the_harness_default():
 def test_train_config_rejects_unknown_optimizer():
     from labkit.train.config import TrainConfig
     with pytest.raises(ConfigError, match="unknown optimizer 'adam9'"):
-        TrainConfig(strategy="single", model="tiny-llama", optimizer="adam9")
+        TrainConfig.of(strategy="single", model="tiny-llama", optimizer="adam9")
 
 
 def test_full_finetune_with_8bit_adam_through_the_loop(tmp_path):

@@ -68,7 +68,7 @@ def _checkpoint_roundtrip(out_dir: str) -> dict:
 
     cfg = make_config("pipeline-1f1b", "tiny-llama", nproc=2, microbatches=2, batch=BATCH, seq_len=SEQ)
     ctx = DistContext(dist.get_rank(), 2, dist.get_rank(), torch.device("cpu"), group=dist.group.WORLD)
-    hooks = [make_strategy(cfg.strategy, ctx, cfg, make_task(cfg)) for _ in range(2)]
+    hooks = [make_strategy(cfg.run.strategy, ctx, cfg, make_task(cfg)) for _ in range(2)]
     for hook in hooks:
         hook.setup()
     hooks[0].train_step([batches()[0]], None)

@@ -80,8 +80,8 @@ def test_a_registered_strategy_without_its_module_is_not_available_yet(monkeypat
 
 def test_profile_defaults_and_overrides(tmp_path):
     cfg = make_config("ddp", "tiny-resnet", nproc=2)
-    assert (cfg.batch, cfg.amp, cfg.steps, cfg.image_size) == (16, "none", 20, 32)
-    assert make_config("ddp", "tiny-llama", nproc=2, batch=4, amp="bf16").batch == 4
+    assert (cfg.optim.batch, cfg.precision.amp, cfg.run.steps, cfg.run.image_size) == (16, "none", 20, 32)
+    assert make_config("ddp", "tiny-llama", nproc=2, batch=4, amp="bf16").optim.batch == 4
     with pytest.raises(ConfigError, match="unknown train option 'stepz'"):
         make_config("single", "tiny-llama", stepz=3)
 

@@ -260,7 +260,7 @@ def probe_rank(spec: dict, cfg, ctx) -> None:
         dist.barrier()
     all_rows = [None] * world
     dist.all_gather_object(all_rows, rows)
-    matmul = _matmul_tflops(device, cfg.amp)
+    matmul = _matmul_tflops(device, cfg.precision.amp)
     if ctx.is_main:
         merged = sorted((r for part in all_rows for r in part), key=lambda r: r["ranks"])
         unique = list({tuple(r["ranks"]): r for r in merged}.values())

@@ -112,27 +112,27 @@ def memory_config(cfg):
     from labkit.memory.estimate import MemoryConfig
     from labkit.parallel.studies import ESTIMATE_FIELDS
 
-    dims = parallel.strategy_class(cfg.strategy).dims_for(cfg, cfg.world_size)
+    dims = parallel.strategy_class(cfg.run.strategy).dims_for(cfg, cfg.world_size)
     dp = dims.dp_size
-    fields = dict(ESTIMATE_FIELDS.get(cfg.strategy, {}))
-    if cfg.strategy == "fsdp-offload":
+    fields = dict(ESTIMATE_FIELDS.get(cfg.run.strategy, {}))
+    if cfg.run.strategy == "fsdp-offload":
         fields["offload"] = "optimizer+params"  # CPUOffloadPolicy: the ZeRO-3 shards live on the host
-    if cfg.strategy == "fsdp-hybrid":
+    if cfg.run.strategy == "fsdp-hybrid":
         fields["zero_group"] = dims.dp_shard  # ranks per node
-    peft = cfg.strategy in ("lora", "qlora", "fsdp-qlora", "fsdp-qlora-offload")
+    peft = cfg.run.strategy in ("lora", "qlora", "fsdp-qlora", "fsdp-qlora-offload")
     if peft:
-        fields.update(lora_rank=cfg.lora_rank, lora_targets=cfg.lora_targets)
-        if "qlora" in cfg.strategy:
+        fields.update(lora_rank=cfg.peft.lora_rank, lora_targets=cfg.peft.lora_targets)
+        if "qlora" in cfg.run.strategy:
             fields["quant"] = "nf4-dq"
-        if cfg.strategy.startswith("fsdp-"):
+        if cfg.run.strategy.startswith("fsdp-"):
             fields["zero"] = 3
     tp, pp, cp, ep = dims.tp, dims.pp, dims.cp, dims.ep  # cp: 1/cp of every sequence; ep: 1/ep of the experts
-    optimizer = cfg.optimizer or ("paged-adamw-8bit" if "qlora" in cfg.strategy else "adamw")
-    return MemoryConfig(model=cfg.model, precision=_PRECISION[cfg.amp], optimizer=optimizer, dp=dp, tp=tp, pp=pp,
-                        cp=cp, ep=ep, batch=max(cfg.accum, cfg.batch // dp), grad_accum=cfg.accum,
-                        seq=cfg.seq_len if cfg.kind == "llm" else None,
+    optimizer = cfg.optim.optimizer or ("paged-adamw-8bit" if "qlora" in cfg.run.strategy else "adamw")
+    return MemoryConfig(model=cfg.run.model, precision=_PRECISION[cfg.precision.amp], optimizer=optimizer, dp=dp, tp=tp, pp=pp,
+                        cp=cp, ep=ep, batch=max(cfg.optim.accum, cfg.optim.batch // dp), grad_accum=cfg.optim.accum,
+                        seq=cfg.run.seq_len if cfg.kind == "llm" else None,
                         # ResNet checkpointing is not modelled: its bytes without it are an upper bound.
-                        checkpointing="full" if cfg.checkpointing and cfg.kind == "llm" else "none", **fields)
+                        checkpointing="full" if cfg.memory.checkpointing and cfg.kind == "llm" else "none", **fields)
 
 
 def capacity(profile: Profile) -> float | None:
@@ -191,10 +191,10 @@ def single_levers(profile: Profile, model: str, *, amp: str | None = None) -> di
                       **({"amp": amp} if amp else {})}).resolve(profile)
     tries = [{}] + [dict(checkpointing=True, **({"accum": a} if a > 1 else {})) for a in (1, 2, 4, 8, 16)]
     for levers in tries:
-        if levers.get("accum", 1) > base.batch:
+        if levers.get("accum", 1) > base.optim.batch:
             break
-        cfg = dataclasses.replace(base, **levers)
+        cfg = base.replace(**levers)
         if estimate(memory_config(cfg)).total <= cap:
             return levers
-    raise ConfigError(f"{model} at global batch {base.batch} does not fit one {profile.gpu_name} even with "
+    raise ConfigError(f"{model} at global batch {base.optim.batch} does not fit one {profile.gpu_name} even with "
                       "checkpointing and accumulation; lower the profile's llm_batch or seq_len")

@@ -26,13 +26,13 @@ THE CONTRACT (what a strategy module `labkit/parallel/<x>.py` provides)
                   the SAME samples); pipeline / context parallel: 0 / 1. `dp_size_for` = dims' dp_size.
                   Meshes come from `self.dims.build_mesh(device_type, names)`.
    setup()        sets `self.model` and `self.optimizer`:
-                  `build_model()`        default `labkit.models.build_model(cfg.model)` on ctx.device;
+                  `build_model()`        default `labkit.models.build_model(cfg.run.model)` on ctx.device;
                                          lora/qlora load and adapt the model themselves (4-bit from_pretrained).
                   `parallelize(model)`   default: channels_last -> activation checkpointing -> `wrap` ->
                                          compile. Tensor parallel overrides the order (TP first, then
                                          checkpointing, compile, FSDP: torchtitan's order).
                   `wrap(model)`          `apply_<x>(model, ctx.group or a mesh, cfg=cfg)`: DDP, fully_shard, ...
-                  `build_optimizer(model)` default `labkit.optim.build_optimizer(cfg.optimizer, trainable, lr)`.
+                  `build_optimizer(model)` default `labkit.optim.build_optimizer(cfg.optim.optimizer, trainable, lr)`.
                   DeepSpeed overrides `setup` itself (`deepspeed.initialize` returns the engine that owns
                   the optimizer); `self.model` is then the engine.
    each step      `train_step(micro_batches, loss_fn)` -> this rank's loss (detached tensor) or None when
@@ -43,7 +43,7 @@ THE CONTRACT (what a strategy module `labkit/parallel/<x>.py` provides)
                   then `optimizer_step()`. Override the small pieces (`no_sync`: DDP's `model.no_sync()`;
                   `backward`/`optimizer_step`: `engine.backward(loss)` / `engine.step()`) or the whole
                   step (pipeline: `schedule.step(...)` runs all micro-batches, the last stage returns the loss).
-                  `precision` (levers.Precision) is the autocast + GradScaler of cfg.amp.
+                  `precision` (levers.Precision) is the autocast + GradScaler of cfg.precision.amp.
    end of run     `evaluate(batches)` -> {'loss_sum', 'correct', 'count'} on held-out batches, or None.
                   `resident_bytes()` -> ResidentBytes(param, grad, optimizer, cpu_offload): tensors on
                   ctx.device (DTensors by local shard), host bytes of offloading strategies.

@@ -121,21 +121,21 @@ def _train(args) -> None:
     accelerator = Accelerator()
     cfg = make_config(args.strategy, args.model, profile=args.profile, nproc=accelerator.num_processes,
                       steps=args.steps, seed=args.seed, out=args.out)
-    model = build_model(cfg.model, seed=cfg.seed)
+    model = build_model(cfg.run.model, seed=cfg.run.seed)
     n_params = sum(p.numel() for p in model.parameters())
     # FSDP1: wrap first, then build the optimizer over the (sharded) parameters the wrapper exposes.
     model = accelerator.prepare(model)
-    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0))
+    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=0.0))
     facts = detect(accelerator, model)
     if facts["silently_replaced"] and accelerator.is_main_process:
         print(f"WARNING: FSDP was requested but accelerate built {facts['wrapper']} "
               f"(distributed_type {facts['distributed_type']}): this run is NOT sharded.", flush=True)
     task = make_task(cfg)
     train_set, _ = build_datasets(cfg, task)
-    loader = iter(StepLoader(train_set, global_batch=cfg.batch, dp_rank=accelerator.process_index,
-                             dp_size=accelerator.num_processes, seed=cfg.seed))
+    loader = iter(StepLoader(train_set, global_batch=cfg.optim.batch, dp_rank=accelerator.process_index,
+                             dp_size=accelerator.num_processes, seed=cfg.run.seed))
     losses, times = [], []
-    for _ in range(cfg.steps):
+    for _ in range(cfg.run.steps):
         t0 = time.perf_counter()
         inputs, targets = (t.to(accelerator.device) for t in next(loader))
         optimizer.zero_grad(set_to_none=True)
@@ -149,7 +149,7 @@ def _train(args) -> None:
     peak = torch.cuda.max_memory_allocated(accelerator.device) if accelerator.device.type == "cuda" else 0
     per_rank = accelerator.gather_for_metrics([(*held, peak)], use_gather_object=True)
     if accelerator.is_main_process:
-        results.append(_record(args, cfg, facts, losses, times, per_rank, n_params), cfg.out)
+        results.append(_record(args, cfg, facts, losses, times, per_rank, n_params), cfg.run.out)
     accelerator.end_training()
 
 
@@ -164,14 +164,14 @@ def _record(args, cfg, facts: dict, losses: list, times: list, per_rank: list, n
     cols, world = list(zip(*per_rank)), len(per_rank)
     step = metrics.median_step_time(times, set(), min(2, len(times) - 1))
     return results.RunRecord(
-        strategy=record_name(facts, args.strategy), model=cfg.model, profile=cfg.profile, world_size=world,
-        steps=len(losses), losses=losses, step_time_s=step, samples_per_s=cfg.batch / step if step else 0.0,
+        strategy=record_name(facts, args.strategy), model=cfg.run.model, profile=cfg.run.profile, world_size=world,
+        steps=len(losses), losses=losses, step_time_s=step, samples_per_s=cfg.optim.batch / step if step else 0.0,
         peak_bytes=list(cols[4]), param_bytes=list(cols[0]), grad_bytes=list(cols[1]),
         optimizer_bytes=list(cols[2]), cpu_offload_bytes=list(cols[3]), trainable_params=n_params,
-        device=get_profile(cfg.profile).device,
+        device=get_profile(cfg.run.profile).device,
         # The dtype accelerate trained in (the config's mixed_precision), not the profile's default.
         dtype=AMP_DTYPES[{"no": "none"}.get(facts["mixed_precision"], facts["mixed_precision"])],
-        global_batch=cfg.batch,
+        global_batch=cfg.optim.batch,
         train=TrainFacts(run_id=args.run_id),
         accelerate=AccelerateFacts(requested_strategy=args.strategy, accelerate_config=args.config,
                                    peak_measured=any(cols[4]), **facts))

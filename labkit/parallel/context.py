@@ -178,16 +178,16 @@ class ContextParallelStrategy(Strategy):
     @classmethod
     def check(cls, cfg, world_size: int) -> None:
         if cfg.kind != "llm":
-            raise ConfigError(f"context-parallel splits token sequences; {cfg.model!r} is not an LLM: "
+            raise ConfigError(f"context-parallel splits token sequences; {cfg.run.model!r} is not an LLM: "
                               "use --model tiny-llama")
         from labkit.models import llm_config
-        if getattr(llm_config(cfg.model), "num_local_experts", 0):
+        if getattr(llm_config(cfg.run.model), "num_local_experts", 0):
             raise ConfigError(f"context-parallel runs dense models (the MoE balance loss is per whole sequence); "
-                              f"{cfg.model!r} has experts: use --strategy expert-parallel, or --model tiny-llama")
-        if cfg.seq_len % world_size:
-            raise ConfigError(f"--seq-len {cfg.seq_len} does not split into {world_size} equal chunks; "
+                              f"{cfg.run.model!r} has experts: use --strategy expert-parallel, or --model tiny-llama")
+        if cfg.run.seq_len % world_size:
+            raise ConfigError(f"--seq-len {cfg.run.seq_len} does not split into {world_size} equal chunks; "
                               f"use a multiple of {world_size}")
-        if cfg.compile:
+        if cfg.precision.compile:
             raise ConfigError("context-parallel's ring does point-to-point sends inside attention; "
                               "run it without --compile")
         super().check(cfg, world_size)
@@ -215,7 +215,7 @@ class ContextParallelStrategy(Strategy):
     def record_facts(self) -> dict:
         from labkit.facts import ContextFacts
         cfg = self._unwrapped().config
-        kv_bytes = 2 * self.cfg.seq_len * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+        kv_bytes = 2 * self.cfg.run.seq_len * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
         n = self.ctx.world_size
         return {**super().record_facts(), "context": ContextFacts(
             cp=n, cp_split="contiguous", ring_kv_bytes_per_layer_per_sample=int(comm.bytes_sent("all_gather", kv_bytes, n)))}

@@ -139,8 +139,8 @@ class ParallelDims:
     @classmethod
     def for_config(cls, cfg, world: int, name: str | None = None) -> "ParallelDims":
         """The dims of a resolved TrainConfig on `world` ranks (its strategy, --nnodes, --nproc as TP size)."""
-        tp = getattr(cfg, "tp", None) or getattr(cfg, "nproc", None)
-        return cls.from_world(name or cfg.strategy, world, nnodes=getattr(cfg, "nnodes", 1) or 1, tp=tp)
+        tp = getattr(cfg, "tp", None) or getattr(getattr(cfg, "launch", None), "nproc", None)
+        return cls.from_world(name or cfg.run.strategy, world, nnodes=getattr(getattr(cfg, "launch", None), "nnodes", 1) or 1, tp=tp)
 
 
 def dp_of_mesh(mesh) -> tuple[int, int]:

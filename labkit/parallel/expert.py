@@ -135,14 +135,14 @@ class ExpertParallelStrategy(Strategy):
     def check(cls, cfg, world_size: int) -> None:
         from labkit.models import llm_config
 
-        experts = getattr(llm_config(cfg.model), "num_local_experts", 0) if cfg.kind == "llm" else 0
+        experts = getattr(llm_config(cfg.run.model), "num_local_experts", 0) if cfg.kind == "llm" else 0
         if not experts:
-            raise ConfigError(f"expert-parallel splits the experts of a mixture-of-experts model; {cfg.model!r} "
+            raise ConfigError(f"expert-parallel splits the experts of a mixture-of-experts model; {cfg.run.model!r} "
                               "has none: use --model tiny-moe")
         if experts % world_size:
             raise ConfigError(f"{experts} experts do not split over {world_size} ranks; use an --nproc that "
                               f"divides {experts}")
-        if cfg.compile:
+        if cfg.precision.compile:
             raise ConfigError("expert-parallel's token routing has data-dependent shapes; run it without --compile")
         super().check(cfg, world_size)
 

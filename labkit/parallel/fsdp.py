@@ -49,7 +49,7 @@ def apply_fsdp(model: nn.Module, mesh, *, cfg, plan: FsdpPlan | None = None) -> 
 
     device = torch.device(mesh.device_type)
     kwargs = dict(mesh=mesh, reshard_after_forward=plan.reshard_after_forward,
-                  mp_policy=mp_policy_for(getattr(cfg, "amp", "none")), offload_policy=offload_policy_for(plan, device))
+                  mp_policy=mp_policy_for(getattr(getattr(cfg, "precision", None), "amp", "none")), offload_policy=offload_policy_for(plan, device))
     # Bottom-up: each unit's parameters become DTensors sharded on dim 0 ((d0/N, ...) per rank) and are
     # all-gathered together when the unit runs; the root then takes whatever no unit claimed.
     for unit in wrap_units(model, plan.wrap, plan.min_num_params):
@@ -223,14 +223,14 @@ class FSDPStrategy(Strategy):
     def check(cls, cfg, world_size: int) -> None:
         super().check(cfg, world_size)
         if cfg.kind != "llm":
-            raise ConfigError(f"strategy {cfg.strategy!r} shards transformer blocks; use an LLM such as "
-                              f"--model tiny-llama, not {cfg.model!r} (or --strategy ddp for ResNets)")
-        if cfg.strategy == "fsdp-hybrid":
-            mesh_shape(VARIANTS["fsdp-hybrid"], world_size, cfg.nnodes)
+            raise ConfigError(f"strategy {cfg.run.strategy!r} shards transformer blocks; use an LLM such as "
+                              f"--model tiny-llama, not {cfg.run.model!r} (or --strategy ddp for ResNets)")
+        if cfg.run.strategy == "fsdp-hybrid":
+            mesh_shape(VARIANTS["fsdp-hybrid"], world_size, cfg.launch.nnodes)
 
     def build_model(self) -> nn.Module:
         # Rank 0 builds the real model in host memory, the others on the meta device (loading.py).
-        return loading.build_on_rank0(self.cfg.model, self.ctx.rank, seed=self.cfg.seed)
+        return loading.build_on_rank0(self.cfg.run.model, self.ctx.rank, seed=self.cfg.run.seed)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         full = loading.full_state_on_rank0(model, self.ctx.rank)
@@ -282,7 +282,7 @@ class FSDPStrategy(Strategy):
         from labkit.facts import CommFacts, MemoryFacts, ShardingFacts
         shape, names = self.dims.mesh_shape(MESH_DIMS[self.plan.mesh][1])
         full_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        mp = mp_policy_for(self.cfg.amp)
+        mp = mp_policy_for(self.cfg.precision.amp)
         name = lambda dtype: str(dtype or torch.float32).removeprefix("torch.")  # noqa: E731
         sharding = ShardingFacts(mesh_shape=list(shape), mesh_dims=list(names),
                                  reshard_after_forward=self.plan.reshard_after_forward,

@@ -73,8 +73,8 @@ class LoraSettings:
         """Settings from a TrainConfig (or a LoraSettings, returned as is)."""
         if isinstance(cfg, cls):
             return cfg
-        return cls(rank=cfg.lora_rank, alpha=float(cfg.lora_alpha), dropout=float(cfg.lora_dropout),
-                   targets=cfg.lora_targets)
+        return cls(rank=cfg.peft.lora_rank, alpha=float(cfg.peft.lora_alpha), dropout=float(cfg.peft.lora_dropout),
+                   targets=cfg.peft.lora_targets)
 
 
 def frozen_base_dtype(amp: str | None) -> torch.dtype:
@@ -185,12 +185,12 @@ class LoraStrategy(Strategy):
     def check(cls, cfg, world_size: int) -> None:
         super().check(cfg, world_size)
         if cfg.kind != "llm":
-            raise ConfigError(f"--strategy {cfg.strategy} adapts a transformer's linear layers; {cfg.model!r} "
+            raise ConfigError(f"--strategy {cfg.run.strategy} adapts a transformer's linear layers; {cfg.run.model!r} "
                               "is an image model: use an LLM such as tiny-llama")
         LoraSettings.of(cfg)
         from labkit.optim import OPTIMIZERS
-        optimizer = cfg.optimizer or cls.default_optimizer
-        if world_size > 1 and cfg.lora_parallel == "fsdp" and OPTIMIZERS[optimizer].library != "torch":
+        optimizer = cfg.optim.optimizer or cls.default_optimizer
+        if world_size > 1 and cfg.peft.lora_parallel == "fsdp" and OPTIMIZERS[optimizer].library != "torch":
             # FSDP2 hands the optimizer DTensor shards; bitsandbytes' update kernels have no DTensor
             # sharding rule ("Operator bitsandbytes.optimizer_update_32bit ... no sharding strategy").
             raise ConfigError(f"--optimizer {optimizer} (bitsandbytes) cannot step FSDP2's sharded DTensor "
@@ -200,17 +200,17 @@ class LoraStrategy(Strategy):
         from labkit.models import build_model
         # The frozen base in the run's 16-bit compute dtype (what the estimator counts: 2 B/param under
         # bf16), not fp32 -- and never in whatever dtype a checkpoint happened to be saved in.
-        dtype = frozen_base_dtype(self.cfg.amp)
-        base = build_model(self.cfg.model, seed=self.cfg.seed, dtype=dtype).to(self.ctx.device)
+        dtype = frozen_base_dtype(self.cfg.precision.amp)
+        base = build_model(self.cfg.run.model, seed=self.cfg.run.seed, dtype=dtype).to(self.ctx.device)
         # A's random init (B = 0) from the run's seed, whatever building the base drew from the RNG
-        torch.manual_seed(self.cfg.seed)
+        torch.manual_seed(self.cfg.run.seed)
         # .train(): a checkpoint folder comes back from from_pretrained in eval mode
         return apply_lora(base, self.ctx.group, cfg=self.cfg).train()
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.ctx.world_size == 1:
             return model
-        if self.cfg.lora_parallel == "fsdp":
+        if self.cfg.peft.lora_parallel == "fsdp":
             return _apply_fsdp(model, self.ctx, self.cfg)
         from labkit.parallel.ddp import apply_ddp
         return apply_ddp(model, self.ctx.group, cfg=self.cfg)  # DDP all-reduces only the adapters' grads
@@ -226,8 +226,8 @@ class LoraStrategy(Strategy):
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         from labkit import optim
-        name = getattr(self.cfg, "optimizer", None) or self.default_optimizer
-        return optim.build_optimizer(name, [p for p in model.parameters() if p.requires_grad], self.cfg.lr)
+        name = getattr(getattr(self.cfg, "optim", None), "optimizer", None) or self.default_optimizer
+        return optim.build_optimizer(name, [p for p in model.parameters() if p.requires_grad], self.cfg.optim.lr)
 
     # Checkpoints keep only what trains: the frozen base comes back from its seed / checkpoint.
     def state_dict(self) -> dict:
@@ -258,7 +258,7 @@ class LoraStrategy(Strategy):
             lora_rank=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
             lora_targets=sorted(_unwrap(self.model).peft_config["default"].target_modules),
             trainable_fraction=trainable / total, total_params=total,
-            lora_parallel=self.cfg.lora_parallel if self.ctx.world_size > 1 else None, **self._adapter_facts())}
+            lora_parallel=self.cfg.peft.lora_parallel if self.ctx.world_size > 1 else None, **self._adapter_facts())}
 
     def evaluate(self, batches: list) -> dict | None:
         # The one phase after training that every rank enters (record_facts runs on rank 0 alone), so
@@ -275,7 +275,7 @@ class LoraStrategy(Strategy):
             state = get_model_state_dict(self.model, options=StateDictOptions(
                 full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
         if self.ctx.is_main:
-            path = Path(self.cfg.out) / "adapters" / (self.cfg.run_id or self.cfg.strategy)
+            path = Path(self.cfg.run.out) / "adapters" / (self.cfg.run.run_id or self.cfg.run.strategy)
             self.adapter = {"adapter_bytes": save_adapter(self.model, path, state_dict=state),
                             "adapter_path": str(path)}
 

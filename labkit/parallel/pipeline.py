@@ -116,7 +116,7 @@ def build_schedule(stage_module: nn.Module, group, *, schedule: str, microbatche
 # ------------------------------------------------------------------------------------------ hook
 def microbatches_for(cfg, stages: int) -> int:
     """--microbatches M, or by default 2 x stages (bubble (p-1)/(3p-1): 1/5 on 2 stages)."""
-    return getattr(cfg, "microbatches", None) or 2 * stages
+    return getattr(getattr(cfg, "optim", None), "microbatches", None) or 2 * stages
 
 
 def _flat():
@@ -145,32 +145,32 @@ class PipelineStrategy(Strategy):
         from labkit.models import llm_config
 
         if cfg.kind != "llm":
-            raise ConfigError(f"strategy {cfg.strategy!r} splits a transformer by layers; {cfg.model!r} is not "
+            raise ConfigError(f"strategy {cfg.run.strategy!r} splits a transformer by layers; {cfg.run.model!r} is not "
                               "an LLM: use --model tiny-llama (or a Llama preset / checkpoint)")
-        if cfg.amp == "fp16":
+        if cfg.precision.amp == "fp16":
             raise ConfigError("pipeline strategies run --amp bf16 or none: fp16 loss scaling would need its "
                               "overflow check agreed across stages; use --amp bf16")
-        split_layers(llm_config(cfg.model).num_hidden_layers, world_size)
+        split_layers(llm_config(cfg.run.model).num_hidden_layers, world_size)
         m = microbatches_for(cfg, world_size)
-        if cfg.strategy == "pipeline-1f1b" and m < world_size:
+        if cfg.run.strategy == "pipeline-1f1b" and m < world_size:
             raise ConfigError(f"1F1B needs at least as many micro-batches as stages: --microbatches {m} < "
                               f"{world_size} stages; use --microbatches {world_size} or more")
-        if cfg.batch % (m * cfg.accum):
-            raise ConfigError(f"global batch {cfg.batch} does not split into {cfg.accum} x {m} pipeline "
-                              f"micro-batches; choose --batch as a multiple of {m * cfg.accum}")
+        if cfg.optim.batch % (m * cfg.optim.accum):
+            raise ConfigError(f"global batch {cfg.optim.batch} does not split into {cfg.optim.accum} x {m} pipeline "
+                              f"micro-batches; choose --batch as a multiple of {m * cfg.optim.accum}")
         super().check(cfg, world_size)
 
     def build_model(self) -> nn.Module:
         # Built on the host; only this rank's stage moves to the device in `wrap`.
         from labkit.models import build_model
-        model = build_model(self.cfg.model, seed=self.cfg.seed)
+        model = build_model(self.cfg.run.model, seed=self.cfg.run.seed)
         self.full_params = sum(p.numel() for p in model.parameters())
         self.embed_params = model.get_input_embeddings().weight.numel()
         return model
 
     def wrap(self, model: nn.Module) -> nn.Module:
         stage = apply_pipeline(model, self.ctx.group, cfg=self.cfg).to(self.ctx.device)
-        accum, m = self.cfg.accum, self.microbatches
+        accum, m = self.cfg.optim.accum, self.microbatches
 
         def loss_fn(logits, targets):  # (B/m, T, V) logits; mean over all m x accum micro-batches
             return self.task.criterion(logits, targets) / (m * accum)
@@ -237,6 +237,6 @@ class PipelineStrategy(Strategy):
         return {"pipeline": PipelineFacts(
             pp=self.ctx.world_size, schedule=self.schedule_name, microbatches=self.microbatches,
             stage_layers=split_layers(self.model.config.num_hidden_layers, self.ctx.world_size),
-            **schedule_facts(self.gathered, self.ctx.world_size, self.microbatches, skip=2 * self.cfg.accum))}
+            **schedule_facts(self.gathered, self.ctx.world_size, self.microbatches, skip=2 * self.cfg.optim.accum))}
 
 STRATEGY_CLASSES = {name: PipelineStrategy for name in SCHEDULES}

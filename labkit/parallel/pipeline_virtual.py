@@ -141,11 +141,11 @@ class VirtualPipelineStrategy(PipelineStrategy):
         from labkit.parallel.pipeline import microbatches_for
 
         super().check(cfg, world_size)
-        split_virtual(llm_config(cfg.model).num_hidden_layers, CHUNKS * world_size)
+        split_virtual(llm_config(cfg.run.model).num_hidden_layers, CHUNKS * world_size)
         m = microbatches_for(cfg, world_size)
         rounds = max(1, m // world_size)
         if m < world_size or m % rounds:
-            raise ConfigError(f"{cfg.strategy} needs a number of micro-batches >= {world_size} stages and a "
+            raise ConfigError(f"{cfg.run.strategy} needs a number of micro-batches >= {world_size} stages and a "
                               f"multiple of m // stages; --microbatches {m} is not: use {2 * world_size}")
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -157,7 +157,7 @@ class VirtualPipelineStrategy(PipelineStrategy):
         ids = local_stages(rank, p, self.style)
         mods = [LlamaStage(model, split[s], first=s == 0, last=s == v - 1).to(self.ctx.device) for s in ids]
         self.pipe_stages = [PipelineStage(m, s, v, self.ctx.device, group=self.ctx.group) for m, s in zip(mods, ids)]
-        accum, mb = self.cfg.accum, self.microbatches
+        accum, mb = self.cfg.optim.accum, self.microbatches
 
         def loss_fn(logits, targets):  # (B/m, T, V) logits; mean over all m x accum micro-batches
             return self.task.criterion(logits, targets) / (mb * accum)
@@ -208,7 +208,7 @@ class VirtualPipelineStrategy(PipelineStrategy):
     def record_facts(self) -> dict:
         from labkit.facts import PipelineFacts
         p, m = self.ctx.world_size, self.microbatches
-        facts = schedule_facts(self.gathered, p, m, skip=2 * self.cfg.accum)
+        facts = schedule_facts(self.gathered, p, m, skip=2 * self.cfg.optim.accum)
         # Interleaved: Narayanan's formula; ZB-V: ~0 only when F, B and W take equal time (Qi et al. 2024).
         facts["bubble_theory"] = interleaved_bubble(p, m) if self.style == "loop" else 0.0
         return {"pipeline": PipelineFacts(

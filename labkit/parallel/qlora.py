@@ -126,29 +126,29 @@ class QLoraStrategy(LoraStrategy):
         # QLoRA computes in 16 bit (bf16; fp16 on V100): the embedding and head are stored in it too,
         # so an fp32 profile ('smoke') still runs its forward under bf16 autocast.
         from labkit.train import levers
-        self.amp = cfg.amp if cfg.amp in ("bf16", "fp16") else "bf16"
+        self.amp = cfg.precision.amp if cfg.precision.amp in ("bf16", "fp16") else "bf16"
         self.precision = levers.Precision(self.amp, ctx.device)
 
     def build_model(self) -> nn.Module:
         compute = torch.float16 if self.amp == "fp16" else torch.bfloat16
         model = load_4bit(self.base_checkpoint(), device=self.ctx.device, compute_dtype=compute)
-        torch.manual_seed(self.cfg.seed)  # same adapter init whether or not the base was just saved
-        model = apply_qlora(model, self.ctx.group, cfg=self.cfg, checkpointing=self.cfg.checkpointing)
+        torch.manual_seed(self.cfg.run.seed)  # same adapter init whether or not the base was just saved
+        model = apply_qlora(model, self.ctx.group, cfg=self.cfg, checkpointing=self.cfg.memory.checkpointing)
         return model.train()  # from_pretrained returns eval mode
 
     def base_checkpoint(self) -> Path:
         """The folder `from_pretrained` loads: the checkpoint itself, or (smoke) the seeded preset saved
         once to OUT/base/<model>-seed<seed>, like a downloaded checkpoint. Rank 0 writes it."""
         from labkit.models import checkpoint_dir
-        folder = checkpoint_dir(self.cfg.model)  # a local checkpoint or a cached HF id
+        folder = checkpoint_dir(self.cfg.run.model)  # a local checkpoint or a cached HF id
         if folder is not None:
             return folder
-        path = Path(self.cfg.out) / "base" / f"{self.cfg.model}-seed{self.cfg.seed}"
+        path = Path(self.cfg.run.out) / "base" / f"{self.cfg.run.model}-seed{self.cfg.run.seed}"
         if self.ctx.is_main and not (path / "config.json").is_file():
             from labkit.models import save_llm
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=path.parent))
-            save_llm(self.cfg.model, tmp, seed=self.cfg.seed)
+            save_llm(self.cfg.run.model, tmp, seed=self.cfg.run.seed)
             os.replace(tmp, path)  # atomic: a crashed save never looks complete
         if self.ctx.group is not None:
             import torch.distributed as dist

@@ -63,7 +63,7 @@ class Strategy:
         self.name, self.ctx, self.cfg, self.task = name, ctx, cfg, task
         self.dims = self.dims_for(cfg, ctx.world_size, name)
         self.dp_rank, self.dp_size = self.dims.dp_rank(ctx.rank), self.dims.dp_size
-        self.precision = levers.Precision(cfg.amp, ctx.device)
+        self.precision = levers.Precision(cfg.precision.amp, ctx.device)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -72,12 +72,12 @@ class Strategy:
     def check(cls, cfg, world_size: int) -> None:
         """Raise ConfigError for settings this strategy cannot run; `cfg` is resolved."""
         if cls.max_world_size is not None and world_size > cls.max_world_size:
-            raise ConfigError(f"strategy {cfg.strategy!r} runs {cls.max_world_size} process(es), not {world_size}; "
+            raise ConfigError(f"strategy {cfg.run.strategy!r} runs {cls.max_world_size} process(es), not {world_size}; "
                               "use --nproc 1 or a data-parallel strategy such as --strategy ddp")
         dp = cls.dp_size_for(cfg, world_size)
-        if cfg.batch % (dp * cfg.accum):
-            raise ConfigError(f"global batch {cfg.batch} does not split into {dp} data-parallel rank(s) x "
-                              f"{cfg.accum} micro-batch(es); choose --batch as a multiple of {dp * cfg.accum}")
+        if cfg.optim.batch % (dp * cfg.optim.accum):
+            raise ConfigError(f"global batch {cfg.optim.batch} does not split into {dp} data-parallel rank(s) x "
+                              f"{cfg.optim.accum} micro-batch(es); choose --batch as a multiple of {dp * cfg.optim.accum}")
 
     @classmethod
     def launch_env(cls, cfg) -> dict[str, str]:
@@ -103,17 +103,17 @@ class Strategy:
 
     def build_model(self) -> nn.Module:
         from labkit.models import build_model
-        return build_model(self.cfg.model, seed=self.cfg.seed).to(self.ctx.device)
+        return build_model(self.cfg.run.model, seed=self.cfg.run.seed).to(self.ctx.device)
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Levers in a fixed order: memory format and activation checkpointing change the single-device
         model, `wrap` distributes it, compile goes last (over DDP, dynamo splits graphs at bucket borders)."""
-        if self.cfg.channels_last:
+        if self.cfg.precision.channels_last:
             model = levers.apply_channels_last(model)
-        if self.cfg.checkpointing:
+        if self.cfg.memory.checkpointing:
             model = levers.apply_activation_checkpointing(model)
         model = self.wrap(model)
-        return levers.apply_compile(model) if self.cfg.compile else model
+        return levers.apply_compile(model) if self.cfg.precision.compile else model
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return apply_single(model, self.ctx.group, cfg=self.cfg)
@@ -123,7 +123,7 @@ class Strategy:
         Hutter 2019) keeps two fp32 moments: 8 bytes per trainable parameter; adamw-8bit 2 (06_peft)."""
         from labkit.optim import build_optimizer
         params = [p for p in model.parameters() if p.requires_grad]
-        return build_optimizer(self.cfg.optimizer or "adamw", params, self.cfg.lr)
+        return build_optimizer(self.cfg.optim.optimizer or "adamw", params, self.cfg.optim.lr)
 
     # ------------------------------------------------------------------ one optimizer step
     def no_sync(self):

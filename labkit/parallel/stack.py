@@ -25,7 +25,6 @@ packed bytes with double quantization). Introduced in notebook 08_profiling_and_
 """
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 from torch import nn
@@ -59,11 +58,11 @@ def check_storage(model: nn.Module, param_dtype: torch.dtype | None) -> None:
 def apply_fsdp_qlora(model: nn.Module, mesh, *, cfg, offload: bool = False) -> nn.Module:
     """`fully_shard` a QLoRA model (from `qlora.apply_qlora`): one unit per decoder layer, then the root.
 
-    Adapters and frozen NF4 weights of a layer share its unit. `cfg.amp` picks the MixedPrecisionPolicy
+    Adapters and frozen NF4 weights of a layer share its unit. `cfg.precision.amp` picks the MixedPrecisionPolicy
     (bf16: gathered adapters / norms in bf16, gradients reduced in fp32).
     """
     plan = VARIANTS["fsdp-qlora-offload" if offload else "fsdp-qlora"]
-    check_storage(model, fsdp.mp_policy_for(getattr(cfg, "amp", "none")).param_dtype)
+    check_storage(model, fsdp.mp_policy_for(getattr(getattr(cfg, "precision", None), "amp", "none")).param_dtype)
     return fsdp.apply_fsdp(model, mesh, cfg=cfg, plan=plan)
 
 
@@ -102,11 +101,11 @@ class FsdpQLoraStrategy(QLoraStrategy):
     @classmethod
     def check(cls, cfg, world_size: int) -> None:
         LoraStrategy.check.__func__(cls, cfg, world_size)  # not QLoraStrategy's: it refuses FSDP
-        if cfg.lora_parallel != "ddp":
-            raise ConfigError(f"--strategy {cfg.strategy} always shards with FSDP2; drop --lora-parallel")
+        if cfg.peft.lora_parallel != "ddp":
+            raise ConfigError(f"--strategy {cfg.run.strategy} always shards with FSDP2; drop --lora-parallel")
         from labkit.optim import OPTIMIZERS
-        if cfg.optimizer and OPTIMIZERS[cfg.optimizer].library == "bitsandbytes":
-            raise ConfigError(f"--optimizer {cfg.optimizer} cannot step FSDP2's sharded parameters: bitsandbytes' "
+        if cfg.optim.optimizer and OPTIMIZERS[cfg.optim.optimizer].library == "bitsandbytes":
+            raise ConfigError(f"--optimizer {cfg.optim.optimizer} cannot step FSDP2's sharded parameters: bitsandbytes' "
                               "update kernels take plain tensors and have no DTensor sharding rule "
                               "(NotImplementedError: bitsandbytes.optimizer_update_32bit ...); use --optimizer "
                               "adamw (the adapters' states are small), or torchao.optim.AdamW8bit, which supports "
@@ -117,7 +116,7 @@ class FsdpQLoraStrategy(QLoraStrategy):
         # sharding; fully_shard then moves each unit's shard to the GPU (QuantState moves in place).
         compute = torch.float16 if self.amp == "fp16" else torch.bfloat16
         model = load_4bit(self.base_checkpoint(), device="cpu", compute_dtype=compute)
-        return apply_qlora(model, None, cfg=self.cfg, checkpointing=self.cfg.checkpointing).train()
+        return apply_qlora(model, None, cfg=self.cfg, checkpointing=self.cfg.memory.checkpointing).train()
 
     def base_checkpoint(self):
         # Rank 0 may save the seeded preset first (build_llm reseeds the RNG). FSDP2 keeps each rank's own
@@ -130,7 +129,7 @@ class FsdpQLoraStrategy(QLoraStrategy):
         self.counts = logical_counts(model)
         self.counts["packed_4bit_full_bytes"] = packed_bytes(model)
         self.mesh = self.dims.build_mesh(self.ctx.device.type, fsdp.MESH_DIMS[self.plan.mesh][1])
-        return apply_fsdp_qlora(model, self.mesh, cfg=dataclasses.replace(self.cfg, amp=self.amp),
+        return apply_fsdp_qlora(model, self.mesh, cfg=self.cfg.replace(amp=self.amp),
                                 offload=self.plan.offload)
 
     def resident_bytes(self) -> ResidentBytes:

@@ -65,10 +65,10 @@ def _wrap_rows(policies: dict, cfg, ctx) -> list[dict]:
     from labkit.models import build_llm
 
     rows = []
-    tokens = torch.arange(cfg.batch // ctx.world_size * cfg.seq_len).reshape(-1, cfg.seq_len).to(ctx.device)
+    tokens = torch.arange(cfg.optim.batch // ctx.world_size * cfg.run.seq_len).reshape(-1, cfg.run.seq_len).to(ctx.device)
     for label, changes in policies.items():
         plan = fsdp.plan_for("fsdp", **changes)
-        model = build_llm(cfg.model, seed=cfg.seed).to(ctx.device)
+        model = build_llm(cfg.run.model, seed=cfg.run.seed).to(ctx.device)
         sizes = fsdp.unit_sizes(model, fsdp.wrap_units(model, plan.wrap, plan.min_num_params))
         fsdp.apply_fsdp(model, fsdp.build_mesh(plan, ctx.device, ctx.world_size), cfg=cfg, plan=plan)
         peak = [0]

@@ -77,7 +77,7 @@ def apply_tensor_fsdp(model: nn.Module, mesh, *, cfg=None, sequence_parallel: bo
     apply_tensor(model, mesh["tp"], cfg=cfg, sequence_parallel=sequence_parallel)
     if levers is not None:
         model = levers(model)
-    amp = getattr(cfg, "amp", "none")
+    amp = getattr(getattr(cfg, "precision", None), "amp", "none")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if amp == "bf16" else None
     dp = next(n for n in mesh.mesh_dim_names if n != "tp")  # 'dp_shard' (ParallelDims) or 'dp'
     kwargs = {"mesh": mesh[dp], **({"mp_policy": mp} if mp else {})}
@@ -204,11 +204,11 @@ class TensorStrategy(Strategy):
     @classmethod
     def check(cls, cfg, world_size: int) -> None:
         if cfg.kind != "llm":
-            raise ConfigError(f"strategy {cfg.strategy!r} splits transformer heads; {cfg.model!r} is not an "
+            raise ConfigError(f"strategy {cfg.run.strategy!r} splits transformer heads; {cfg.run.model!r} is not an "
                               "LLM: use --model tiny-llama (or a Llama preset / checkpoint)")
         tp = tp_degree(cfg, world_size)  # ConfigError when the ranks do not form whole TP groups
         from labkit.models import llm_config
-        check_divisible(llm_config(cfg.model), tp)
+        check_divisible(llm_config(cfg.run.model), tp)
         super().check(cfg, world_size)
 
     def parallelize(self, model: nn.Module) -> nn.Module:
@@ -216,13 +216,13 @@ class TensorStrategy(Strategy):
         from labkit.train import levers
 
         self.mesh = self.dims.build_mesh(self.ctx.device.type, ("dp_shard", "tp"))  # (dp, tp), tp innermost
-        lever = levers.apply_activation_checkpointing if self.cfg.checkpointing else None
+        lever = levers.apply_activation_checkpointing if self.cfg.memory.checkpointing else None
         if self.name == "tensor":
             model = apply_tensor(model, self.mesh["tp"], cfg=self.cfg)
             model = lever(model) if lever else model
         else:
             model = apply_tensor_fsdp(model, self.mesh, cfg=self.cfg, levers=lever)
-        return levers.apply_compile(model) if self.cfg.compile else model
+        return levers.apply_compile(model) if self.cfg.precision.compile else model
 
     def train_step(self, micro_batches: list, loss_fn):
         from torch.distributed.tensor.parallel import loss_parallel

@@ -40,7 +40,7 @@ def apply_zero(model: nn.Module, group, *, cfg, config: dict):
     partitions at construction: ZeRO-3 replaces each parameter's data by a 1/N `ds_tensor` shard.
     """
     if group is None:
-        raise ConfigError(f"{cfg.strategy} needs a process group: launch with --nproc N (torchrun)")
+        raise ConfigError(f"{cfg.run.strategy} needs a process group: launch with --nproc N (torchrun)")
     deepspeed = import_deepspeed(next(model.parameters()).device)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
@@ -82,8 +82,8 @@ def ds_config(cfg, stage: int, offload: bool, *, dp: int, hidden: int | None, nu
     type BFloat16 but found Float", measured on CPU); `data_types.buffer_dtype` casts them too, as
     DeepSpeed's older whole-module `.bfloat16()` did.
     """
-    if cfg.batch % (dp * cfg.accum):
-        raise ConfigError(f"global batch {cfg.batch} does not split into {dp} ranks x {cfg.accum} micro-batches")
+    if cfg.optim.batch % (dp * cfg.optim.accum):
+        raise ConfigError(f"global batch {cfg.optim.batch} does not split into {dp} ranks x {cfg.optim.accum} micro-batches")
     buckets = _bucket_sizes(hidden, numel, prefetch=gpu)
     # overlap_comm: reduce (stages 1-2: reduce-scatter gradient buckets) / all-gather on DeepSpeed's side
     # streams while backward computes, at the cost of extra bucket buffers (DeepSpeed's ZeRO config docs;
@@ -101,18 +101,18 @@ def ds_config(cfg, stage: int, offload: bool, *, dp: int, hidden: int | None, nu
         # Pinned (page-locked) host memory speeds up copies to the GPU; pinning needs the CUDA driver.
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": gpu}
         zero["offload_param"] = {"device": "cpu", "pin_memory": gpu}
-    adam = {"lr": cfg.lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    adam = {"lr": cfg.optim.lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
     if not offload:
         adam["torch_adam"] = True
     return {
-        "train_batch_size": cfg.batch,
-        "train_micro_batch_size_per_gpu": cfg.batch // dp // cfg.accum,
-        "gradient_accumulation_steps": cfg.accum,
+        "train_batch_size": cfg.optim.batch,
+        "train_micro_batch_size_per_gpu": cfg.optim.batch // dp // cfg.optim.accum,
+        "gradient_accumulation_steps": cfg.optim.accum,
         "optimizer": {"type": "AdamW", "params": adam},
         "zero_optimization": zero,
-        "bf16": {"enabled": cfg.amp == "bf16"},
-        "fp16": {"enabled": cfg.amp == "fp16", "loss_scale": 0, "initial_scale_power": 16},
-        **({"data_types": {"buffer_dtype": cfg.amp}} if cast_buffers and cfg.amp in ("bf16", "fp16") else {}),
+        "bf16": {"enabled": cfg.precision.amp == "bf16"},
+        "fp16": {"enabled": cfg.precision.amp == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        **({"data_types": {"buffer_dtype": cfg.precision.amp}} if cast_buffers and cfg.precision.amp in ("bf16", "fp16") else {}),
         "gradient_clipping": 0.0,
         "steps_per_print": 1_000_000_000,
         "wall_clock_breakdown": False,
@@ -168,20 +168,20 @@ class ZeroStrategy(Strategy):
     def launch_env(cls, cfg) -> dict[str, str]:
         from labkit.profiles import get_profile
         # Must be in the environment before `import deepspeed` (it picks the accelerator at import).
-        return {"DS_ACCELERATOR": "cpu"} if get_profile(cfg.profile).device == "cpu" else {}
+        return {"DS_ACCELERATOR": "cpu"} if get_profile(cfg.run.profile).device == "cpu" else {}
 
     @classmethod
     def check(cls, cfg, world_size: int) -> None:
         super().check(cfg, world_size)
-        if cfg.compile:
-            raise ConfigError(f"--compile is not wired for {cfg.strategy}: DeepSpeed compiles through its engine "
+        if cfg.precision.compile:
+            raise ConfigError(f"--compile is not wired for {cfg.run.strategy}: DeepSpeed compiles through its engine "
                               "(engine.compile()); drop --compile or use --strategy fsdp")
 
     def build_model(self) -> nn.Module:
         if self.task.kind != "llm":
             return super().build_model()
         # Rank 0 reads/initialises the model; the others allocate empty and receive a broadcast.
-        model = loading.build_on_rank0(self.cfg.model, self.ctx.rank, seed=self.cfg.seed)
+        model = loading.build_on_rank0(self.cfg.run.model, self.ctx.rank, seed=self.cfg.run.seed)
         return loading.sync_module_states(model, self.ctx.group, self.ctx.device)
 
     def setup(self) -> None:
@@ -191,7 +191,7 @@ class ZeroStrategy(Strategy):
         self.config = ds_config(self.cfg, self.stage, self.offload, dp=self.dp_size, hidden=hidden, numel=numel,
                                 gpu=self.ctx.device.type == "cuda", cast_buffers=self.task.kind == "vision")
         if self.ctx.is_main:
-            self.config_path = write_config(self.config, self.cfg.out, self.name)
+            self.config_path = write_config(self.config, self.cfg.run.out, self.name)
         self.engine, self.ds_optimizer = apply_zero(model, self.ctx.group, cfg=self.cfg, config=self.config)
         # The loop sees the engine as the model and the torch optimizer DeepSpeed steps on the flat fp32
         # partitions as the optimizer (a real torch Optimizer, so memory tracking can follow it).
@@ -272,10 +272,10 @@ class ZeroStrategy(Strategy):
         from labkit.facts import CommFacts, MemoryFacts, ShardingFacts
         master = count_bytes([ds_param_tensors(self.engine.module), master_partitions(self.ds_optimizer)],
                              self.ctx.device)[1]
-        param_bytes = sum(self._numel().values()) * 4 if self.cfg.amp == "none" else sum(self._numel().values()) * 2
+        param_bytes = sum(self._numel().values()) * 4 if self.cfg.precision.amp == "none" else sum(self._numel().values()) * 2
         return dict(sharding=ShardingFacts(
                         zero_stage=self.stage, ds_accelerator=get_accelerator().device_name(),
-                        ds_config=str(self.config_path or Path(self.cfg.out) / f"ds_config_{self.name}.json"),
+                        ds_config=str(self.config_path or Path(self.cfg.run.out) / f"ds_config_{self.name}.json"),
                         ds_optimizer=type(self.optimizer).__name__),
                     memory=MemoryFacts(offload=bool(self.offload), master_copy_bytes=sum(master),
                                        offload_physical=bool(self.offload) and self.ctx.device.type != "cpu"),

@@ -36,16 +36,16 @@ TOOLS = ("torch", "nsys")
 # ------------------------------------------------------------------------------------ the window
 def window(cfg) -> range:
     """Local step indices a run traces (empty without --trace-steps)."""
-    n = getattr(cfg, "trace_steps", 0) or 0
+    n = getattr(getattr(cfg, "profiling", None), "trace_steps", 0) or 0
     return range(FIRST_TRACED, FIRST_TRACED + n) if n else range(0)
 
 
 def check(cfg, device_type: str) -> None:
     """ConfigError for a trace window the run cannot hold, or nsys without CUDA."""
-    n, tool = getattr(cfg, "trace_steps", 0) or 0, getattr(cfg, "trace_with", "torch")
+    n, tool = getattr(getattr(cfg, "profiling", None), "trace_steps", 0) or 0, getattr(getattr(cfg, "profiling", None), "trace_with", "torch")
     if tool not in TOOLS:
         raise choices_error("trace tool", tool, TOOLS)
-    if n and cfg.steps < FIRST_TRACED + n:
+    if n and cfg.run.steps < FIRST_TRACED + n:
         raise ConfigError(f"--trace-steps {n} records steps {FIRST_TRACED + 1}-{FIRST_TRACED + n} (the first "
                           f"{FIRST_TRACED} steps carry the FLOP and memory measurements); use --steps >= "
                           f"{FIRST_TRACED + n} or fewer trace steps")
@@ -55,7 +55,7 @@ def check(cfg, device_type: str) -> None:
 
 
 def profile_dir(cfg) -> Path:
-    return Path(cfg.out) / "profiles" / (cfg.run_id or cfg.strategy)
+    return Path(cfg.run.out) / "profiles" / (cfg.run.run_id or cfg.run.strategy)
 
 
 def record_facts(cfg) -> dict:
@@ -94,8 +94,8 @@ class StepTracer:
     def for_run(cls, cfg, ctx) -> "StepTracer":
         check(cfg, ctx.device.type)
         return cls(profile_dir(cfg), window(cfg), device=ctx.device, is_main=ctx.is_main,
-                   tool=getattr(cfg, "trace_with", "torch"),
-                   title=f"{cfg.strategy} {cfg.model} x{ctx.world_size} ({cfg.profile})")
+                   tool=getattr(getattr(cfg, "profiling", None), "trace_with", "torch"),
+                   title=f"{cfg.run.strategy} {cfg.run.model} x{ctx.world_size} ({cfg.run.profile})")
 
     def before(self, local: int) -> None:
         if local not in self.steps:

@@ -7,7 +7,6 @@ Introduced in notebook 02_single_gpu.
 """
 from __future__ import annotations
 
-import dataclasses
 import uuid
 
 from labkit import parallel, results
@@ -26,16 +25,16 @@ def make_config(strategy: str, model: str, **options) -> TrainConfig:
         from labkit import lease
         options["deadline"] = lease.default_deadline_text()
     cfg = from_dict({"strategy": strategy, "model": model, **options})
-    if not cfg.run_id:
-        cfg = dataclasses.replace(cfg, run_id=uuid.uuid4().hex[:12])
+    if not cfg.run.run_id:
+        cfg = cfg.replace(run_id=uuid.uuid4().hex[:12])
     cfg = cfg.resolve()
-    parallel.strategy_class(cfg.strategy).check(cfg, cfg.world_size)
-    if cfg.deadline:  # fail here, before paying for a launch
-        Deadline(parse_deadline(cfg.deadline), cfg.deadline_margin_s).check_start()
-    if cfg.trace_steps:  # the trace window must fit the run (labkit.profiling.profiler), also before a launch
+    parallel.strategy_class(cfg.run.strategy).check(cfg, cfg.world_size)
+    if cfg.checkpoint.deadline:  # fail here, before paying for a launch
+        Deadline(parse_deadline(cfg.checkpoint.deadline), cfg.checkpoint.deadline_margin_s).check_start()
+    if cfg.profiling.trace_steps:  # the trace window must fit the run (labkit.profiling.profiler), also before a launch
         from labkit.profiling import profiler as profiling
         from labkit.profiles import get_profile
-        profiling.check(cfg, get_profile(cfg.profile).device)
+        profiling.check(cfg, get_profile(cfg.run.profile).device)
     return cfg
 
 
@@ -43,23 +42,24 @@ def run(strategy: str, model: str, *, timeout_s: float | None = None, stream: bo
         **options) -> results.RunRecord | None:
     """Train and return the RunRecord (None on nodes other than node 0 of a multi-node job).
 
-    `options` are TrainConfig fields: profile, nproc, steps, out, seed, amp, accum, checkpointing,
-    batch, lr, channels_last, compile, checkpoint_every, resume, deadline, data, ...
+    `options` are TrainConfig fields by their flat names (profile, nproc, steps, out, seed, amp, accum,
+    checkpointing, batch, lr, ..., the `labkit train` option names): `config.FIELD_SECTION` maps each
+    to its section; an unknown name is a ConfigError listing the valid ones.
     """
     cfg = make_config(strategy, model, **options)
-    require_hardware(cfg.profile)
-    cls = parallel.strategy_class(cfg.strategy)
+    require_hardware(cfg.run.profile)
+    cls = parallel.strategy_class(cfg.run.strategy)
     if cfg.world_size == 1 and not cls.needs_process_group:
         return _in_process(cfg)
     from labkit import launch
 
-    launch.run(WORKER, ["--config-json", cfg.to_json()], nproc=cfg.nproc, timeout_s=_timeout(cfg, timeout_s),
-               env=cls.launch_env(cfg), nnodes=cfg.nnodes, node_rank=cfg.node_rank,
-               rdzv_endpoint=cfg.rdzv_endpoint, stream=stream,
-               threads=launch.cpu_threads(cfg.nproc, cpu_heavy=cfg.strategy in launch.CPU_HEAVY_STRATEGIES))
-    if cfg.node_rank != 0:
+    launch.run(WORKER, ["--config-json", cfg.to_json()], nproc=cfg.launch.nproc, timeout_s=_timeout(cfg, timeout_s),
+               env=cls.launch_env(cfg), nnodes=cfg.launch.nnodes, node_rank=cfg.launch.node_rank,
+               rdzv_endpoint=cfg.launch.rdzv_endpoint, stream=stream,
+               threads=launch.cpu_threads(cfg.launch.nproc, cpu_heavy=cfg.run.strategy in launch.CPU_HEAVY_STRATEGIES))
+    if cfg.launch.node_rank != 0:
         return None
-    return record_of(cfg.out, cfg.run_id)
+    return record_of(cfg.run.out, cfg.run.run_id)
 
 
 def require_hardware(profile: str) -> None:
@@ -93,9 +93,9 @@ def _timeout(cfg: TrainConfig, timeout_s: float | None) -> float:
     """The profile's wall-clock limit, stretched to the deadline (plus a minute) when one is given."""
     from labkit.profiles import get_profile
 
-    limit = timeout_s or get_profile(cfg.profile).timeout_s
-    if cfg.deadline:
+    limit = timeout_s or get_profile(cfg.run.profile).timeout_s
+    if cfg.checkpoint.deadline:
         import datetime as _dt
-        left = (parse_deadline(cfg.deadline) - _dt.datetime.now(_dt.timezone.utc)).total_seconds()
+        left = (parse_deadline(cfg.checkpoint.deadline) - _dt.datetime.now(_dt.timezone.utc)).total_seconds()
         limit = max(limit, left + 60.0)
     return limit

@@ -75,10 +75,10 @@ def _probe_hook(model: str, profile: str, **options):
 def _fake_batch(task, cfg, b: int, device):
     """Random inputs of the right shape (memory does not depend on the values)."""
     if task.kind == "llm":
-        tokens = torch.randint(task.num_classes, (b, cfg.seq_len + 1), device=device)
+        tokens = torch.randint(task.num_classes, (b, cfg.run.seq_len + 1), device=device)
         return tokens[:, :-1], tokens[:, 1:]
-    x = torch.randn(b, 3, cfg.image_size, cfg.image_size, device=device)
-    if cfg.channels_last:
+    x = torch.randn(b, 3, cfg.run.image_size, cfg.run.image_size, device=device)
+    if cfg.precision.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     return x, torch.randint(task.num_classes, (b,), device=device)
 
@@ -134,8 +134,8 @@ def find_max_batch(model: str, *, profile: str = "smoke", budget_mb: float | Non
         free_device_memory(device, reset_peak=True)
     reached = all(peak is not None and (budget is None or peak <= budget) for _, peak in probes)
     return {"model": model, "max_micro_batch": best, "limit_reached": reached, "limit": limit,
-            "budget_bytes": budget, "probes": probes, "device": str(device), "amp": cfg.amp,
-            "checkpointing": cfg.checkpointing}
+            "budget_bytes": budget, "probes": probes, "device": str(device), "amp": cfg.precision.amp,
+            "checkpointing": cfg.memory.checkpointing}
 
 
 def memory_breakdown(model: str, *, profile: str = "smoke", batch: int | None = None, **options) -> dict:
@@ -144,7 +144,7 @@ def memory_breakdown(model: str, *, profile: str = "smoke", batch: int | None = 
     from torch.distributed._tools.mem_tracker import MemTracker
 
     cfg, hook = _probe_hook(model, profile, **options)
-    x, y = _fake_batch(hook.task, cfg, batch or cfg.batch, hook.ctx.device)
+    x, y = _fake_batch(hook.task, cfg, batch or cfg.optim.batch, hook.ctx.device)
     hook.train_step([(x, y)], hook.task.loss)  # first step creates the optimizer state
     tracker = MemTracker()
     tracker.track_external(hook.model, hook.optimizer)

@@ -22,7 +22,7 @@ from labkit.errors import ConfigError
 KEEP = 2
 META = "labkit.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-#: Settings that must match to resume (others, like steps or world size, may change).
+#: Settings that must match to resume (others, like steps or world size, may change); flat TrainConfig names.
 RESUME_KEYS = ("model", "batch", "seed")
 
 
@@ -75,9 +75,9 @@ class Checkpointer:
         hook.save_checkpoint(tmp)
         _barrier(self.ctx)
         if self.ctx.is_main:
-            meta = {"step": step, "losses": losses, "world_size": self.ctx.world_size, "strategy": self.cfg.strategy,
+            meta = {"step": step, "losses": losses, "world_size": self.ctx.world_size, "strategy": self.cfg.run.strategy,
                     "saved_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-                    **{k: getattr(self.cfg, k) for k in RESUME_KEYS}}
+                    **{k: self.cfg.flat()[k] for k in RESUME_KEYS}}
             (tmp / META).write_text(json.dumps(meta), encoding="utf-8")
             if final.exists():
                 shutil.rmtree(final)
@@ -105,9 +105,9 @@ class Checkpointer:
         """Load `path` into the hook's model/optimizer; returns its metadata (step, losses)."""
         meta = read_meta(path)
         for key in RESUME_KEYS:
-            if meta.get(key) != getattr(self.cfg, key):
+            if meta.get(key) != self.cfg.flat()[key]:
                 raise ConfigError(f"cannot resume {path}: it was saved with {key}={meta.get(key)!r} but this run has "
-                                  f"{key}={getattr(self.cfg, key)!r}; use the same --{key} or another --out")
+                                  f"{key}={self.cfg.flat()[key]!r}; use the same --{key} or another --out")
         hook.load_checkpoint(path)
         return meta
 

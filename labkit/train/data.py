@@ -70,10 +70,10 @@ def make_task(cfg) -> Task:
     if cfg.kind == "llm":
         from labkit.models import llm_config
         from labkit.moe import moe_facts
-        config = llm_config(cfg.model)
+        config = llm_config(cfg.run.model)
         moe = moe_facts(config)
-        return Task("llm", config.vocab_size, cfg.seq_len, moe_top_k=moe["top_k"], aux_loss_coef=moe["aux_coef"])
-    return Task("vision", presets.VISION_PRESETS[cfg.model]["num_classes"])
+        return Task("llm", config.vocab_size, cfg.run.seq_len, moe_top_k=moe["top_k"], aux_loss_coef=moe["aux_coef"])
+    return Task("vision", presets.VISION_PRESETS[cfg.run.model]["num_classes"])
 
 
 # ------------------------------------------------------------------------------------------ data sets
@@ -160,8 +160,8 @@ def image_folder(root: Path, image_size: int, num_classes: int, *, workers: int 
 
 
 def build_datasets(cfg, task: Task) -> tuple[Dataset, Dataset | None]:
-    """(train, held-out) data sets for cfg.data: 'synthetic', 'tiny' or a local path."""
-    source = cfg.data
+    """(train, held-out) data sets for cfg.run.data: 'synthetic', 'tiny' or a local path."""
+    source = cfg.run.data
     if source == "tiny":
         source = str(TINY_TEXT if task.kind == "llm" else TINY_IMAGES)
     from labkit.fetch import TEXT_SETS, text_path
@@ -173,30 +173,30 @@ def build_datasets(cfg, task: Task) -> tuple[Dataset, Dataset | None]:
             raise ConfigError(f"data='food11': Food-11 is not in {food11.default_dir()}; run `labkit fetch food11` "
                               "(or set LABKIT_FOOD11 to the folder that holds it)")
         source = str(food11.default_dir())
-    held = max(cfg.eval_batches, 1) * cfg.batch
+    held = max(cfg.run.eval_batches, 1) * cfg.optim.batch
     if source == "synthetic":
         if task.kind == "llm":
-            make = lambda n, off: SyntheticTokens(n, cfg.seq_len, task.num_classes, seed=cfg.seed, offset=off)  # noqa: E731
+            make = lambda n, off: SyntheticTokens(n, cfg.run.seq_len, task.num_classes, seed=cfg.run.seed, offset=off)  # noqa: E731
             return make(SYNTHETIC_SEQUENCES, 0), make(held, SYNTHETIC_SEQUENCES)
-        make = lambda n, off: SyntheticImages(n, cfg.image_size, task.num_classes, seed=cfg.seed, offset=off)  # noqa: E731
+        make = lambda n, off: SyntheticImages(n, cfg.run.image_size, task.num_classes, seed=cfg.run.seed, offset=off)  # noqa: E731
         return make(FOOD11_TRAIN_IMAGES, 0), make(held, FOOD11_TRAIN_IMAGES)
     path = Path(source).expanduser()
     if task.kind == "llm":
         if not path.is_file():
-            raise ConfigError(f"data={cfg.data!r}: an LLM reads a text or .jsonl file; give its path, 'tiny', "
+            raise ConfigError(f"data={cfg.run.data!r}: an LLM reads a text or .jsonl file; give its path, 'tiny', "
                               f"'synthetic' or {', '.join(TEXT_SETS)} (`labkit fetch NAME`)")
-        tokens = tokenize_text(path, cfg.model, task.num_classes)
+        tokens = tokenize_text(path, cfg.run.model, task.num_classes)
         cut = int(len(tokens) * 0.9)  # last 10 % held out for evaluation
-        return TokenSequences(tokens[:cut], cfg.seq_len), TokenSequences(tokens[cut:], cfg.seq_len)
+        return TokenSequences(tokens[:cut], cfg.run.seq_len), TokenSequences(tokens[cut:], cfg.run.seq_len)
     if not path.is_dir():
-        raise ConfigError(f"data={cfg.data!r}: an image model reads an ImageFolder directory "
+        raise ConfigError(f"data={cfg.run.data!r}: an image model reads an ImageFolder directory "
                           "(class sub-folders; scripts/fetch_food11.sh makes one), 'tiny' or 'synthetic'")
     # Food-11 layout: training/ validation/ evaluation/, each with class_00 .. class_10.
     train_dir = path / "training" if (path / "training").is_dir() else path
     val_dir = path / "validation" if (path / "validation").is_dir() else None
-    workers = cfg.workers or 0
-    train = image_folder(train_dir, cfg.image_size, task.num_classes, workers=workers)
-    return train, image_folder(val_dir, cfg.image_size, task.num_classes, workers=workers) if val_dir else None
+    workers = cfg.run.workers or 0
+    train = image_folder(train_dir, cfg.run.image_size, task.num_classes, workers=workers)
+    return train, image_folder(val_dir, cfg.run.image_size, task.num_classes, workers=workers) if val_dir else None
 
 
 # ------------------------------------------------------------------------------------------ sharding

@@ -62,47 +62,47 @@ def configure_backends(device: torch.device) -> None:
 def train(cfg, ctx):
     """Run `cfg` on this rank (`ctx`); returns the RunRecord on rank 0, None elsewhere."""
     cfg = cfg.resolve()
-    with memcap.applied(cfg.memory_cap_gb, ctx.device):  # --memory-cap-gb on CUDA: the allocator's limit
+    with memcap.applied(cfg.memory.memory_cap_gb, ctx.device):  # --memory-cap-gb on CUDA: the allocator's limit
         return _train(cfg, ctx)
 
 
 def _train(cfg, ctx):
-    seed_everything(cfg.seed)
+    seed_everything(cfg.run.seed)
     task = make_task(cfg)
-    hook = parallel.make_strategy(cfg.strategy, ctx, cfg, task)
+    hook = parallel.make_strategy(cfg.run.strategy, ctx, cfg, task)
     type(hook).check(cfg, ctx.world_size)
-    deadline = Deadline(parse_deadline(cfg.deadline) if cfg.deadline else None, cfg.deadline_margin_s)
+    deadline = Deadline(parse_deadline(cfg.checkpoint.deadline) if cfg.checkpoint.deadline else None, cfg.checkpoint.deadline_margin_s)
     deadline.check_start()
     configure_backends(ctx.device)
     hook.setup()
     try:
-        ckpt = Checkpointer(cfg.out, ctx, cfg)
+        ckpt = Checkpointer(cfg.run.out, ctx, cfg)
         progress = _restore(cfg, hook, ckpt)
         deadline.check_start()
         train_set, held_out = build_datasets(cfg, task)
-        loader = StepLoader(train_set, global_batch=cfg.batch, dp_rank=hook.dp_rank, dp_size=hook.dp_size,
-                            seed=cfg.seed, workers=cfg.workers, start_step=len(progress.prior_losses),
+        loader = StepLoader(train_set, global_batch=cfg.optim.batch, dp_rank=hook.dp_rank, dp_size=hook.dp_size,
+                            seed=cfg.run.seed, workers=cfg.run.workers, start_step=len(progress.prior_losses),
                             pin_memory=ctx.device.type == "cuda")
         start_eval = _evaluate_at_start(cfg, ctx, hook, held_out)  # --eval-at-start: the held-out loss before
         peak = metrics.PeakMemory(ctx.device)
         tracer = profiling.StepTracer.for_run(cfg, ctx)  # --trace-steps N: torch.profiler over N steps
         try:
             _run_steps(cfg, ctx, hook, task, loader, ckpt, deadline, progress, peak, tracer)
-            memcap.check(cfg.memory_cap_gb, peak.result())  # on CPU: the cap against the tracked peak
+            memcap.check(cfg.memory.memory_cap_gb, peak.result())  # on CPU: the cap against the tracked peak
             tracer.finish()  # rank 0 writes OUT/profiles/<run id>/: trace, memory timeline, summary
         finally:
             tracer.close()  # a failed step must not leave the profiler running in this process
-        held = eval_batches(held_out, global_batch=cfg.batch, dp_rank=hook.dp_rank, dp_size=hook.dp_size,
-                            count=cfg.eval_batches)
-        evaluation = hook.evaluate([_to_device(b, ctx.device, cfg.channels_last) for b in held]) if held else None
+        held = eval_batches(held_out, global_batch=cfg.optim.batch, dp_rank=hook.dp_rank, dp_size=hook.dp_size,
+                            count=cfg.run.eval_batches)
+        evaluation = hook.evaluate([_to_device(b, ctx.device, cfg.precision.channels_last) for b in held]) if held else None
         facts = dict(losses=_floats(progress.local_losses), times=progress.times, flops=progress.flops,
                      peak=peak.result(), bytes=tuple(hook.resident_bytes()), eval=evaluation, eval_start=start_eval)
         gathered = _gather(ctx, facts)
         if not ctx.is_main:
             return None
         record = _record(cfg, ctx, hook, task, progress, gathered, len(train_set), ckpt)
-        path = results.append(record, cfg.out)
-        _say(ctx, f"appended the {cfg.strategy} record to {path}")
+        path = results.append(record, cfg.run.out)
+        _say(ctx, f"appended the {cfg.run.strategy} record to {path}")
         return record
     finally:
         hook.close()
@@ -112,17 +112,17 @@ def _restore(cfg, hook, ckpt) -> _Progress:
     """Load the newest complete checkpoint for --resume; otherwise make sure we start clean."""
     progress = _Progress()
     ckpt.clean_stale()
-    found = latest_checkpoint(cfg.out) if cfg.resume else None
+    found = latest_checkpoint(cfg.run.out) if cfg.checkpoint.resume else None
     if found is not None:
         saved = read_meta(found)["step"]
-        if saved >= cfg.steps:
-            raise ConfigError(f"{found} is already at step {saved} >= --steps {cfg.steps}; raise --steps to train further")
+        if saved >= cfg.run.steps:
+            raise ConfigError(f"{found} is already at step {saved} >= --steps {cfg.run.steps}; raise --steps to train further")
         meta = ckpt.load(hook, found)
         progress.prior_losses, progress.resumed_from = list(meta["losses"]), meta["step"]
         _say(hook.ctx, f"resumed from {found} (step {meta['step']})")
-    elif cfg.resume:
+    elif cfg.checkpoint.resume:
         _say(hook.ctx, f"--resume: no checkpoint yet in {ckpt.root}; starting from step 0")
-    elif cfg.checkpoint_every or cfg.deadline:
+    elif cfg.checkpoint.checkpoint_every or cfg.checkpoint.deadline:
         ckpt.check_fresh()
     return progress
 
@@ -133,20 +133,20 @@ def _run_steps(cfg, ctx, hook, task, loader, ckpt, deadline, progress, peak, tra
     start = len(progress.prior_losses)
     measure_flops = hook.flops_per_step(1) is None  # vision: counted in the first step
     batches = iter(loader)
-    bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.strategy} {cfg.model}", unit="step",
-               disable=not (ctx.is_main and cfg.progress), file=sys.stderr, mininterval=0.5)
-    for local, step in enumerate(range(start, cfg.steps)):
+    bar = tqdm(total=cfg.run.steps, initial=start, desc=f"{cfg.run.strategy} {cfg.run.model}", unit="step",
+               disable=not (ctx.is_main and cfg.run.progress), file=sys.stderr, mininterval=0.5)
+    for local, step in enumerate(range(start, cfg.run.steps)):
         tracer.before(local)
         t0 = time.perf_counter()
-        inputs, targets = _to_device(next(batches), ctx.device, cfg.channels_last)
-        micro = split_micro(inputs, targets, cfg.accum)
-        counted = measure_flops and not cfg.compile  # a compiled graph hides its ops from FlopCounterMode
-        with _measurement(local, counted, hook, peak, progress.flops, cfg.steps - start) as loss_fn:
+        inputs, targets = _to_device(next(batches), ctx.device, cfg.precision.channels_last)
+        micro = split_micro(inputs, targets, cfg.optim.accum)
+        counted = measure_flops and not cfg.precision.compile  # a compiled graph hides its ops from FlopCounterMode
+        with _measurement(local, counted, hook, peak, progress.flops, cfg.run.steps - start) as loss_fn:
             loss = hook.train_step(micro, loss_fn(task.loss))
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)  # CUDA is asynchronous: time the work, not the launch
         progress.times.append(time.perf_counter() - t0)
-        if local == FLOPS_STEP and measure_flops and cfg.compile:  # outside the timed step
+        if local == FLOPS_STEP and measure_flops and cfg.precision.compile:  # outside the timed step
             progress.flops.append(metrics.uncompiled_step_flops(hook.model, [x for x, _ in micro]))
         tracer.after(local)
         progress.local_losses.append(None if loss is None else loss.detach())
@@ -154,12 +154,12 @@ def _run_steps(cfg, ctx, hook, task, loader, ckpt, deadline, progress, peak, tra
         if local % 10 == 0 and loss is not None:
             bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
         done = step + 1
-        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+        if cfg.checkpoint.checkpoint_every and done % cfg.checkpoint.checkpoint_every == 0 and done < cfg.run.steps:
             _save(ckpt, hook, ctx, progress, done, deadline)
-        if deadline.when is not None and done < cfg.steps and _agree(ctx, deadline.should_stop(progress.times[-1])):
+        if deadline.when is not None and done < cfg.run.steps and _agree(ctx, deadline.should_stop(progress.times[-1])):
             _save(ckpt, hook, ctx, progress, done, deadline)
             progress.stopped = "deadline"
-            _say(ctx, f"\nstopping at step {done}: the deadline {cfg.deadline} is within "
+            _say(ctx, f"\nstopping at step {done}: the deadline {cfg.checkpoint.deadline} is within "
                       f"{deadline.margin_s:.0f} s; resume later with --resume")
             break
     bar.close()
@@ -229,32 +229,32 @@ def _say(ctx, text: str) -> None:
 def _record(cfg, ctx, hook, task, progress, gathered, dataset_size, ckpt):
     losses = progress.prior_losses + _average([g["losses"] for g in gathered])
     skip = {FLOPS_STEP, MEMORY_STEP, *profiling.window(cfg)}  # traced steps run slower
-    step_time = max(metrics.median_step_time(g["times"], skip, cfg.warmup_steps) for g in gathered)
-    samples_per_s = cfg.batch / step_time if step_time else 0.0
-    global_tokens = cfg.batch * task.tokens_per_sample
+    step_time = max(metrics.median_step_time(g["times"], skip, cfg.run.warmup_steps) for g in gathered)
+    samples_per_s = cfg.optim.batch / step_time if step_time else 0.0
+    global_tokens = cfg.optim.batch * task.tokens_per_sample
     flops = hook.flops_per_step(global_tokens)
     if flops is None:
         flops = sum(g["flops"][0] for g in gathered if g["flops"])
-    peak_tf = metrics.peak_tflops(ctx.device, AMP_DTYPES[cfg.amp])
-    steps_per_epoch = dataset_size // cfg.batch
+    peak_tf = metrics.peak_tflops(ctx.device, AMP_DTYPES[cfg.precision.amp])
+    steps_per_epoch = dataset_size // cfg.optim.batch
     per_rank = list(zip(*[g["bytes"] for g in gathered]))
     train = TrainFacts(
-        run_id=cfg.run_id, device_name=metrics.device_name(ctx.device), amp=cfg.amp, accum=cfg.accum,
-        micro_batch=cfg.batch // hook.dp_size // cfg.accum, dp_size=hook.dp_size, lr=cfg.lr,
-        activation_checkpointing=cfg.checkpointing, channels_last=cfg.channels_last,
-        compile=cfg.compile, data=cfg.data, seed=cfg.seed, dataset_size=dataset_size,
+        run_id=cfg.run.run_id, device_name=metrics.device_name(ctx.device), amp=cfg.precision.amp, accum=cfg.optim.accum,
+        micro_batch=cfg.optim.batch // hook.dp_size // cfg.optim.accum, dp_size=hook.dp_size, lr=cfg.optim.lr,
+        activation_checkpointing=cfg.memory.checkpointing, channels_last=cfg.precision.channels_last,
+        compile=cfg.precision.compile, data=cfg.run.data, seed=cfg.run.seed, dataset_size=dataset_size,
         steps_per_epoch=steps_per_epoch, epoch_time_s=steps_per_epoch * step_time,
         flops_per_step=flops, achieved_tflops=flops / step_time / 1e12 if step_time else 0.0,
         peak_tflops_per_device=peak_tf, resumed_from=progress.resumed_from, stopped=progress.stopped,
         checkpoint_save_s=ckpt.save_times, **_eval_summary(gathered), **_eval_summary(gathered, "eval_start"),
         **profiling.record_facts(cfg))
     return results.RunRecord(
-        strategy=cfg.strategy, model=cfg.model, profile=cfg.profile, world_size=ctx.world_size,
+        strategy=cfg.run.strategy, model=cfg.run.model, profile=cfg.run.profile, world_size=ctx.world_size,
         steps=len(losses), losses=losses, step_time_s=step_time, samples_per_s=samples_per_s,
         peak_bytes=[g["peak"] for g in gathered], param_bytes=list(per_rank[0]), grad_bytes=list(per_rank[1]),
         optimizer_bytes=list(per_rank[2]), cpu_offload_bytes=list(per_rank[3]),
-        trainable_params=hook.trainable_params(), device=ctx.device.type, dtype=AMP_DTYPES[cfg.amp],
-        global_batch=cfg.batch, tokens_per_s=samples_per_s * task.tokens_per_sample,
+        trainable_params=hook.trainable_params(), device=ctx.device.type, dtype=AMP_DTYPES[cfg.precision.amp],
+        global_batch=cfg.optim.batch, tokens_per_s=samples_per_s * task.tokens_per_sample,
         mfu=metrics.mfu(flops, step_time, ctx.world_size, peak_tf), train=train, **hook.record_facts())
 
 
@@ -271,10 +271,10 @@ def _eval_summary(gathered, key: str = "eval") -> dict:
 def _evaluate_at_start(cfg, ctx, hook, held_out) -> dict | None:
     """The held-out sums of the model before its first step (a fine-tune's base: 06, 08), when asked for.
     `Strategy.evaluate` itself, not a subclass's (LoRA's also saves its adapters, which do not exist yet)."""
-    if not cfg.eval_at_start:
+    if not cfg.run.eval_at_start:
         return None
-    held = eval_batches(held_out, global_batch=cfg.batch, dp_rank=hook.dp_rank, dp_size=hook.dp_size,
-                        count=cfg.eval_batches)
+    held = eval_batches(held_out, global_batch=cfg.optim.batch, dp_rank=hook.dp_rank, dp_size=hook.dp_size,
+                        count=cfg.run.eval_batches)
     if not held:
         return None
-    return parallel.Strategy.evaluate(hook, [_to_device(b, ctx.device, cfg.channels_last) for b in held])
+    return parallel.Strategy.evaluate(hook, [_to_device(b, ctx.device, cfg.precision.channels_last) for b in held])

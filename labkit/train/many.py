@@ -54,17 +54,17 @@ def run_many(runs: list, model: str, *, nproc: int = 2, out: str = "runs", strea
     first = configs[0] if configs else make_config("ddp", model, nproc=nproc, out=out, **options)
     env: dict[str, str] = {}
     for cfg in configs:
-        env.update(parallel.strategy_class(cfg.strategy).launch_env(cfg))
+        env.update(parallel.strategy_class(cfg.run.strategy).launch_env(cfg))
     args = ["--first", first.to_json(), "--configs-json", json.dumps([c.to_json() for c in configs])]
     if before is not None:
         path, spec = before
         _resolve(path)  # a wrong path fails here, not on every rank after the launch
         args += ["--before", path, "--before-json", json.dumps(spec)]
-    limit = timeout_s or get_profile(first.profile).timeout_s * max(1, len(configs))
-    heavy = any(cfg.strategy in launch.CPU_HEAVY_STRATEGIES for cfg in configs)
+    limit = timeout_s or get_profile(first.run.profile).timeout_s * max(1, len(configs))
+    heavy = any(cfg.run.strategy in launch.CPU_HEAVY_STRATEGIES for cfg in configs)
     launch.run(ENTRY, args, nproc=nproc, timeout_s=limit, env=env, stream=stream,
                threads=launch.cpu_threads(nproc, cpu_heavy=heavy))
-    return [record_of(cfg.out, cfg.run_id) for cfg in configs]
+    return [record_of(cfg.run.out, cfg.run.run_id) for cfg in configs]
 
 
 def _resolve(path: str):

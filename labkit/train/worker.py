@@ -24,7 +24,7 @@ from labkit.train.loop import train
 
 def init_distributed(cfg: TrainConfig) -> DistContext:
     """Join the job's process group (gloo on CPU, nccl on GPUs) and pick this rank's device."""
-    prof = get_profile(cfg.profile)
+    prof = get_profile(cfg.run.profile)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if prof.device == "cuda" else torch.device("cpu")
@@ -38,7 +38,7 @@ def init_distributed(cfg: TrainConfig) -> DistContext:
 
 def local_context(cfg: TrainConfig) -> DistContext:
     """The context of an in-process, single-device run (no process group)."""
-    device = torch.device("cuda", 0) if get_profile(cfg.profile).device == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", 0) if get_profile(cfg.run.profile).device == "cuda" else torch.device("cpu")
     return DistContext(rank=0, world_size=1, local_rank=0, device=device, group=None)
 
 

@@ -35,9 +35,9 @@ def train_llm(rank: int, world: int, strategy: str, model: str, *,
     net = parallelize(parts.model) if parallelize is not None else parts.model
     params = [p for p in net.parameters() if p.requires_grad]
     # fully_shard replaces the parameters by DTensors: the optimizer is built on what the model now holds
-    optimizer = None if step is not None else build_optimizer(parts.cfg.optimizer or "adamw", params, parts.cfg.lr)
+    optimizer = None if step is not None else build_optimizer(parts.cfg.optim.optimizer or "adamw", params, parts.cfg.optim.lr)
     losses = []
-    for _ in range(parts.cfg.steps):
+    for _ in range(parts.cfg.run.steps):
         inputs, targets = next(parts.batches)
         loss = parts.task.loss(net, inputs, targets)  # mean over this rank's tokens, fp32
         loss.backward()

@@ -43,13 +43,13 @@ def library_parts(strategy: str, model: str, *, dp_rank: int = 0, dp_size: int =
     nproc = options.pop("nproc", dp_size)
     cfg = make_config(strategy, model, nproc=nproc, **options)
     if device is None:
-        device = torch.device("cuda", dp_rank) if get_profile(cfg.profile).device == "cuda" else torch.device("cpu")
-    seed_everything(cfg.seed)  # what the loop does first
+        device = torch.device("cuda", dp_rank) if get_profile(cfg.run.profile).device == "cuda" else torch.device("cpu")
+    seed_everything(cfg.run.seed)  # what the loop does first
     task = make_task(cfg)
-    net = build_model(cfg.model, seed=cfg.seed).to(device)
-    optimizer = build_optimizer(cfg.optimizer or "adamw", [p for p in net.parameters() if p.requires_grad], cfg.lr)
+    net = build_model(cfg.run.model, seed=cfg.run.seed).to(device)
+    optimizer = build_optimizer(cfg.optim.optimizer or "adamw", [p for p in net.parameters() if p.requires_grad], cfg.optim.lr)
     train_set, _ = build_datasets(cfg, task)
-    loader = StepLoader(train_set, global_batch=cfg.batch, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed,
-                        workers=cfg.workers)
+    loader = StepLoader(train_set, global_batch=cfg.optim.batch, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.run.seed,
+                        workers=cfg.run.workers)
     batches = ((x.to(device), y.to(device)) for x, y in loader)
     return LibraryParts(cfg, task, net, optimizer, batches)
