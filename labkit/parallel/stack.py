@@ -25,7 +25,6 @@ packed bytes with double quantization). Introduced in notebook 08_profiling_and_
 """
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
