@@ -48,6 +48,7 @@ RUN pip install -c /tmp/torch-constraint.txt \
       "ipywidgets>=8.1" \
       "matplotlib>=3.8" \
       "tqdm>=4.66" \
+      "cloudpickle>=3.0" \
       "click>=8.1" \
       "pyyaml>=6.0" \
       "psutil>=5.9"
