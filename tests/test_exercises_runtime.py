@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 
@@ -124,10 +125,14 @@ def _rank_stub(rank, world):
 
 
 def _rank_hangs(rank, world):
+    import time
+
     import torch.distributed as dist
 
     if rank == 0:
-        dist.barrier()  # rank 1 never joins
+        dist.barrier()  # rank 1 never joins...
+    else:
+        time.sleep(3600)  # ...and never exits either (an exiting peer would make gloo raise on rank 0 instead)
 
 
 def test_spawn_names_the_failing_rank_and_its_error_and_leaves_no_process():
@@ -190,9 +195,9 @@ def test_exercise_cells_come_from_metadata_or_the_header_line_and_magics_run_as_
     nb = new_notebook(cells=[new_code_cell(CELL), new_code_cell("def g():\n    pass", metadata={"labkit": {"exercise": "g"}}),
                              new_code_cell("x = 1")])
     assert list(exercise_cells(nb)) == ["halve", "g"]
+    # The %time line becomes get_ipython().run_line_magic(...): a stand-in shell runs it here, so no global
+    # IPython is left behind for later tests (a live shell changes what a seal records).
     namespace = {}
-    from IPython.testing.globalipapp import start_ipython  # get_ipython() for the %time line
-
-    start_ipython()
+    namespace["get_ipython"] = lambda: SimpleNamespace(run_line_magic=lambda name, line: exec(line, namespace))
     exec(to_python(CELL), namespace)
     assert namespace["halve"](3) == 1.5
