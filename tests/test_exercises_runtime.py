@@ -120,6 +120,15 @@ def _rank_fails(rank, world):
     dist.barrier()  # rank 0 would wait here forever: spawn must kill it
 
 
+def _rank_count(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
 def _rank_stub(rank, world):
     raise NotImplementedError("exercise f: write it")
 
@@ -153,6 +162,25 @@ def test_spawn_kills_a_hung_run_at_the_timeout():
     with pytest.raises(ex.ExerciseError, match=r"still running after 4 s and was killed"):
         ex.spawn(_rank_hangs, world=2, timeout=4)
     assert live_children() == []
+
+
+def test_spawn_starts_again_on_a_new_port_when_its_port_was_taken(monkeypatch):
+    """free_port() can lose its port to another job before rank 0 binds it: spawn tries a new one."""
+    import socket
+
+    from labkit import launch
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    real = launch.free_port
+    monkeypatch.setattr(launch, "free_port", lambda *a: ports.pop(0) if ports else real(*a))
+    try:
+        assert ex.spawn(_rank_count, world=2) == [2, 2]
+    finally:
+        taken.close()
+    assert ports == [] and live_children() == []
 
 
 def test_spawn_rejects_bad_arguments():

@@ -93,6 +93,20 @@ def _rank_error(rank: int, work: Path, code: int | None) -> ExerciseError:
                          rank=rank, traceback=out)
 
 
+#: Launches tried when the rendezvous port was taken before rank 0 bound it.
+_PORT_TRIES = 3
+
+
+def _port_taken(work: Path, world: int) -> bool:
+    """Did a rank fail because the rendezvous port was already in use (the race of `free_port`)?"""
+    import cloudpickle
+
+    text = " ".join(_tail(work / f"rank_{r}.log", 4000) for r in range(world))
+    text += " ".join(str(cloudpickle.loads(f.read_bytes())[1]) for f in work.glob("error_*.pkl"))
+    text = text.lower()
+    return "address already in use" in text or "eaddrinuse" in text
+
+
 def spawn(fn: Callable, world: int = 2, args: tuple = (), timeout: float = DEFAULT_TIMEOUT_S) -> list:
     """Run `fn(rank, world, *args)` on `world` gloo ranks; the list of per-rank return values."""
     import cloudpickle
@@ -107,17 +121,24 @@ def spawn(fn: Callable, world: int = 2, args: tuple = (), timeout: float = DEFAU
     with tempfile.TemporaryDirectory(prefix="labkit-spawn-") as tmp:
         work = Path(tmp)
         (work / "payload.pkl").write_bytes(cloudpickle.dumps((fn, tuple(args))))
-        port = free_port()
-        procs = []
-        try:
-            for rank in range(world):
-                with open(work / f"rank_{rank}.log", "wb") as log:
-                    procs.append(subprocess.Popen(
-                        [sys.executable, "-m", _ENTRY, str(work), str(os.getpid())], env=_child_env(rank, world, port),
-                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            failed, timed_out = _wait(procs, timeout)
-        finally:
-            _kill(procs)
+        for attempt in range(_PORT_TRIES):
+            # free_port() is free a moment ago; another job can take it before rank 0 binds it (EADDRINUSE):
+            # then the ranks start again on a new port, as torchrun's rendezvous would.
+            port = free_port()
+            procs = []
+            try:
+                for rank in range(world):
+                    with open(work / f"rank_{rank}.log", "wb") as log:
+                        procs.append(subprocess.Popen(
+                            [sys.executable, "-m", _ENTRY, str(work), str(os.getpid())], env=_child_env(rank, world, port),
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                failed, timed_out = _wait(procs, timeout)
+            finally:
+                _kill(procs)
+            if failed is None or attempt + 1 == _PORT_TRIES or not _port_taken(work, world):
+                break
+            for stale in work.glob("error_*.pkl"):
+                stale.unlink()
         if timed_out:
             raise ExerciseError(f"spawn({name}, world={world}) was still running after {timeout:g} s and was "
                                 "killed: a rank waits for a collective another rank never calls, or loops forever")
