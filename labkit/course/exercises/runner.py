@@ -61,7 +61,7 @@ def run_exercise(exercise: str, sources: list[str], tests: list[dict], *, timeou
     """Run the cases of `exercise` from `tests` on each source variant; never raises for what the code does.
     A hidden test's message comes back only with `reveal_hidden` (CI and authors, never students)."""
     from labkit.course.grading import isolation as iso_mod
-    from labkit.course.grading.sandbox import _kill_tree, scratch_env
+    from labkit.course.grading.sandbox import kill_process_tree, scratch_env
 
     job = json.dumps({"exercise": exercise, "sources": sources, "tests": tests, "reveal": reveal_hidden}).encode()
     with tempfile.TemporaryDirectory(prefix="labkit-exercise-") as tmp:
@@ -94,7 +94,7 @@ def run_exercise(exercise: str, sources: list[str], tests: list[dict], *, timeou
             while proc.poll() is None:
                 if state["over"] or time.monotonic() > deadline:
                     killed = OUTPUT_CAP if state["over"] else TIMEOUT
-                    _kill_tree(proc.pid)
+                    kill_process_tree(proc.pid)
                     break
                 time.sleep(_POLL_S)
             proc.wait()

@@ -13,7 +13,6 @@ Introduced in notebook 03_ddp.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -43,12 +42,13 @@ def _child_env(rank: int, world: int, port: int) -> dict[str, str]:
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL every rank with its group and descendants (the sandbox's tree kill: a rank's own child that
+    started a session of its own goes too), then reap them."""
+    from labkit.course.grading.sandbox import kill_process_tree
+
     for proc in procs:
         if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # each rank leads its own session/group
-            except ProcessLookupError:
-                pass
+            kill_process_tree(proc.pid)  # each rank leads its own session/group
     for proc in procs:
         proc.wait()
 

@@ -88,7 +88,7 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _kill_tree(pid: int) -> None:
+def kill_process_tree(pid: int) -> None:
     """SIGKILL `pid` and every descendant (kernels start their own sessions, so killpg alone misses them)."""
     try:
         import psutil
@@ -116,7 +116,7 @@ def _watch(proc: subprocess.Popen, report: Path, limits: Limits) -> str | None:
         except subprocess.TimeoutExpired:
             pass
         if time.monotonic() > deadline or _size(report) > limits.output_bytes + 2**16:
-            _kill_tree(proc.pid)
+            kill_process_tree(proc.pid)
             proc.wait()
             return TIMEOUT if time.monotonic() > deadline else OUTPUT_CAP
 
@@ -258,7 +258,7 @@ def _guard(dst: Path, args: argparse.Namespace) -> None:
     while _size(dst) <= args.output_bytes and time.monotonic() < deadline:
         time.sleep(_POLL_S)
     _report(args, {"outcome": TIMEOUT, "detail": f"still running after {args.timeout:g} s"}, dst)
-    _kill_tree(os.getpid())  # the kernel and its children (killpg may end this process too: reported already)
+    kill_process_tree(os.getpid())  # the kernel and its children (killpg may end this process too: reported already)
     os._exit(0)
 
 
