@@ -154,8 +154,9 @@ def params_spec(n: int) -> ModelSpec:
 
 
 def config_spec(path: str | Path) -> ModelSpec:
-    """Spec of an HF config.json: exact count on the meta device; Llama-like architectures also get
-    their block layout (so LoRA, quantization and activations work); others are counts only."""
+    """Spec of an HF config.json: the families of `labkit.memory.families` (llama, mistral, qwen2, mixtral,
+    gpt2, gpt_neox, bloom, opt, falcon) by formula with their block layout; any other architecture is
+    counted exactly on the meta device (Llama-shaped ones keep their layout, the rest are counts only)."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     try:
@@ -163,6 +164,10 @@ def config_spec(path: str | Path) -> ModelSpec:
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot read {file} as a Hugging Face config.json ({exc}); "
                           "give a preset name or the path of a config.json") from exc
+    from labkit.memory.families import FAMILIES, family_spec
+
+    if cfg.get("model_type") in FAMILIES:  # pure Python: the planner and estimator never import torch for these
+        return family_spec(str(path), cfg)
     total = meta_param_count(file)
     keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     if all(k in cfg for k in keys):
