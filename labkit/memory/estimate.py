@@ -417,9 +417,10 @@ def lora_targets(spec: ModelSpec, cfg: MemoryConfig) -> tuple:
     return cfg.lora_targets
 
 
-def estimate(cfg: MemoryConfig) -> Estimate:
-    """Per-GPU bytes of weights, grads, optimizer states and activations; total = their sum."""
-    spec = spec_of(cfg)
+def estimate(cfg: MemoryConfig, *, spec: ModelSpec | None = None) -> Estimate:
+    """Per-GPU bytes of weights, grads, optimizer states and activations; total = their sum.
+    `spec` stands in for `cfg.model` when the model is not a file or preset (a published run's table row)."""
+    spec = spec or spec_of(cfg)
     parts, trainable, notes = _states(spec, cfg)
     cpu = _shard(parts, spec, cfg, trainable, notes)
     activations = _activations(spec, cfg, notes)

@@ -185,8 +185,13 @@ def meta_param_count(config_file: Path) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(config_file))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:  # not a causal LM transformers can build (T5, BERT, ...)
+        raise ConfigError(f"{config_file}: model_type {config.model_type!r} is not a causal language model "
+                          f"transformers can build ({str(exc).splitlines()[0][:120]}); give a decoder-only "
+                          "model's config.json") from None
     return sum(p.numel() for p in model.parameters())  # parameters() yields each shared tensor once
 
 

@@ -71,18 +71,28 @@ def fit(rows=None, *, rounds: int = 2, iterations: int = 18) -> dict:
         free = free_constants(rows)
     for _ in range(rounds):
         for key in free:
-            lo, hi = BOUNDS
-            for _ in range(iterations):
-                a, b = hi - PHI * (hi - lo), lo + PHI * (hi - lo)
-                if _loss(rows, {**best, key: a}) < _loss(rows, {**best, key: b}):
-                    hi = b
-                else:
-                    lo = a
-            best[key] = round((lo + hi) / 2, 3)
+            best[key] = _golden(lambda x: _loss(rows, {**best, key: x}), iterations)
     for key in hardware.CONSTANTS:
         if key not in free and key.startswith("matmul_efficiency."):
             best[key] = best["matmul_efficiency.a100"]
     return best
+
+
+def _golden(f, iterations: int) -> float:
+    """Golden-section search of f's minimum on BOUNDS (one new evaluation per iteration)."""
+    lo, hi = BOUNDS
+    a, b = hi - PHI * (hi - lo), lo + PHI * (hi - lo)
+    fa, fb = f(a), f(b)
+    for _ in range(iterations):
+        if fa < fb:
+            hi, b, fb = b, a, fa
+            a = hi - PHI * (hi - lo)
+            fa = f(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + PHI * (hi - lo)
+            fb = f(b)
+    return round((lo + hi) / 2, 3)
 
 
 def leave_one_source_out(rows=None) -> list[dict]:

@@ -166,3 +166,17 @@ def format_compare(rows: list[dict]) -> str:
         lines.append(f"{r['id']:<34} {r['status']:<11} {r['gpus']:>6} {r['tp']:>2} {r['pp']:>3} {r['dp']:>4} "
                      f"{r['zero']:>1} {r['published_tps']:>9.1f} {r['predicted_tps']:>9.1f} {r['rel_err']:>+6.0%}{mark}")
     return "\n".join(lines)
+
+
+
+def memory(run: PublishedRun):
+    """The estimator's per-GPU bytes for a row's layout (`labkit.memory.estimate`, the planner's settings:
+    mixed-bf16 Adam, the row's recomputation, fused kernels unless the row says otherwise)."""
+    from labkit.memory.estimate import MemoryConfig, estimate
+
+    lay = run.layout()
+    cfg = MemoryConfig(model=run.id, precision="mixed-bf16", zero=lay.zero, dp=run.dp, tp=run.tp, pp=run.pp,
+                       cp=lay.cp, batch=run.batch // run.dp, grad_accum=lay.microbatches, seq=run.seq,
+                       checkpointing=lay.checkpointing, flash_attention=lay.flash,
+                       sequence_parallel=lay.sequence_parallel and run.tp > 1, fused_kernels=lay.fused_kernels)
+    return estimate(cfg, spec=run.spec())
