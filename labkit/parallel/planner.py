@@ -211,6 +211,15 @@ def check_layout(req: PlanRequest, dp: int, tp: int, pp: int, zero: int = 0, *, 
         raise ConfigError(f"global batch {req.batch} does not split over dp={dp}; use a multiple of {dp}")
 
 
+def layout_of(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch: int, *, cp: int = 1,
+              ep: int = 1) -> perf_model.Layout:
+    """The time model's `Layout` of one layout of `req` (its switches: interleave, flash, SP, precision...)."""
+    return perf_model.Layout(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, microbatches=req.batch // dp // micro_batch,
+                             checkpointing=req.checkpointing, zero=zero, sequence_parallel=req.sequence_parallel and tp > 1,
+                             interleave=req.interleave if pp > 1 else 1, flash=req.flash, cp=cp, ep=ep,
+                             fsdp=req.fsdp, precision=req.precision, fused_kernels=req.fused_kernels)
+
+
 def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch: int, *,
              cp: int = 1, ep: int = 1) -> Option:
     """Memory (estimator) and step time (`labkit.parallel.perf_model`) of one valid layout."""
@@ -226,10 +235,7 @@ def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch
     est = estimate(cfg)
     spec = req.model_spec
     share = est.weights / 2 / spec.params * (dp if zero == 3 else 1)  # weights are 2 B/param before ZeRO-3
-    lay = perf_model.Layout(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, microbatches=m,
-                            checkpointing=req.checkpointing, zero=zero, sequence_parallel=sp,
-                            interleave=req.interleave if pp > 1 else 1, flash=req.flash, cp=cp, ep=ep,
-                            fsdp=req.fsdp, precision=req.precision, fused_kernels=req.fused_kernels)
+    lay = layout_of(req, dp, tp, pp, zero, micro_batch, cp=cp, ep=ep)
     t = perf_model.step_time(spec, lay, seq=req.seq, gpu=req.gpu, gpus_per_node=req.gpus_per_node,
                              efficiency=req.efficiency, params_on_gpu=share * spec.params,
                              inter_node_gbps=req.inter_node_gbps)

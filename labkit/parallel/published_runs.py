@@ -122,7 +122,7 @@ class PublishedRun:
 
 @functools.lru_cache(maxsize=64)
 def _spec(name: str, config: str):
-    from labkit.memory.families import family_spec
+    from labkit.memory.params import family_spec
 
     return family_spec(name, json.loads(config))
 
