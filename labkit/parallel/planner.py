@@ -352,7 +352,7 @@ def format_plan(p: Plan, top: int = 10) -> str:
 def format_assumption(req: PlanRequest) -> str:
     e, a = req.efficiency, assumption(req)
     return (f"assumes {req.precision} matmuls at {e.value:.0%} of the {a['peak_tflops']:.0f} TFLOPS peak "
-            f"({e.source}); NCCL at {a['comm_efficiency']:.0%} of NVLink / {a['inter_node_gbps']:g} Gb/s per GPU "
-            f"between nodes; checkpointing {req.checkpointing}" + ("" if req.flash else ", no flash attention")
+            f"({e.source}); NCCL at {a['comm_efficiency']:.0%} of NVLink and {a['network_efficiency']:.0%} of "
+            f"{a['inter_node_gbps']:g} Gb/s per GPU between nodes; checkpointing {req.checkpointing}" + ("" if req.flash else ", no flash attention")
             + ("" if req.sequence_parallel else ", no sequence parallelism")
             + (f", interleave {req.interleave}" if req.interleave > 1 else ""))
