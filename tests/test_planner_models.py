@@ -122,3 +122,15 @@ def test_new_gpus_and_fp8(gpu, peak, capsys):
     code, _, err = _run(["plan", "--model", "llama3-8b", "--gpus", "8", "--gpus-per-node", "8", "--precision", "fp8"],
                         capsys)
     assert code == 2 and "no FP8 tensor cores" in err
+
+
+def test_published_models_by_name_and_meta_s_layout_fits(capsys):
+    code, out, err = _run(["plan", "--model", "llama3-405b", "--gpus", "8192", "--gpus-per-node", "8", "--gpu",
+                           "h100-sxm", "--tp", "8", "--pp", "16", "--dp", "64", "--zero", "2", "--interleave", "8",
+                           "--seq", "8192", "--batch", "2048", "--checkpointing", "none", "--json"], capsys)
+    assert code == 0, err
+    mb1 = next(o for o in json.loads(out)["layout"] if o["micro_batch"] == 1)
+    assert mb1["fits"] and 130 < mb1["tokens_per_s_per_gpu"] < 195  # Dubey et al. Table 4: 430 TFLOPS = ~162
+    for name in ("llama3-70b", "llama-65b", "bloom-176b", "opt-175b", "mt-nlg-530b"):
+        spec = planner.model_spec_of(name)
+        assert 60e9 < spec.params < 560e9, name

@@ -269,6 +269,14 @@ def meta_param_count(config_file: Path) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() yields each shared tensor once
 
 
+def published_configs() -> dict:
+    """Name -> HF config dict of the published models in labkit/data/model_configs.json (Llama 3 405B, BLOOM...)."""
+    from importlib import resources
+
+    data = json.loads(resources.files("labkit.data").joinpath("model_configs.json").read_text())
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
 def model_spec(model: str) -> ModelSpec:
     """The spec of a preset name or of a path to an HF config.json / checkpoint folder."""
     if model in presets.LLM_PRESETS:
@@ -277,6 +285,8 @@ def model_spec(model: str) -> ModelSpec:
         return gpt_spec(model, dict(presets.GPT_PRESETS[model]))
     if model in presets.VISION_PRESETS:
         return resnet_spec(model, dict(presets.VISION_PRESETS[model]))
+    if model in published_configs():
+        return family_spec(model, published_configs()[model])
     path = Path(model)
     from labkit import hub
     if hub.is_hub_id(model):  # config.json only, from the HF cache (labkit.hub): no weights are read
@@ -286,4 +296,5 @@ def model_spec(model: str) -> ModelSpec:
             raise ConfigError(f"config file {model!r} does not exist; give a preset or an existing config.json")
         return config_spec(path)
     raise ConfigError(f"unknown model {model!r}; valid models are: {', '.join(presets.ALL_MODELS)}, "
+                      f"the published models {', '.join(published_configs())}, "
                       "the path of a Hugging Face config.json, or a Hugging Face id ORG/NAME")

@@ -202,9 +202,10 @@ def check_layout(req: PlanRequest, dp: int, tp: int, pp: int, zero: int = 0, *, 
     if pp > arch["layers"]:
         raise ConfigError(f"pp={pp} > {arch['layers']} layers: every stage needs at least one layer")
     v = req.interleave if pp > 1 else 1
-    if v > 1 and arch["layers"] % (pp * v):
+    if v > 1 and arch["layers"] % (pp * v) and (arch["layers"] + 2) % (pp * v):
         raise ConfigError(f"interleave={v} x pp={pp} does not divide the {arch['layers']} layers into equal "
-                          "chunks; choose an interleave that does")
+                          "chunks (nor layers + 2, an embedding-only first and an output-only last chunk as in "
+                          "Llama 3); choose an interleave that does")
     if dp == 1 and zero:
         raise ConfigError(f"zero={zero} with dp=1 shards over one rank and saves nothing; use zero 0")
     if req.batch % dp:
