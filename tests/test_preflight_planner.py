@@ -33,6 +33,17 @@ def test_a_recorded_probe_is_used_only_when_passed(tmp_path, monkeypatch):
     assert sorted((r["gpu"], r["efficiency"]) for r in rows) == [("a100-80gb", 0.75), ("v100-32gb", 0.8)]
 
 
+def test_an_h100_probe_is_recorded_under_the_planner_s_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(hardware.PERF_FILE_ENV, raising=False)
+    (tmp_path / "probes.json").write_text(json.dumps({"allreduce": [], "matmul": {"tflops": 692.3}}))
+    [line] = preflight.record_matmul(tmp_path, get_profile("h100x1"))
+    assert "70%" in line.detail
+    saved = tmp_path / "cache" / hardware.PERF_FILE_NAME
+    req = planner.PlanRequest(model="llama3-8b", gpus=8, gpus_per_node=8, gpu="h100-sxm", measured=str(saved))
+    assert req.efficiency.value == 0.7
+
+
 def test_cpu_profiles_and_missing_probes_record_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("LABKIT_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv(hardware.PERF_FILE_ENV, raising=False)

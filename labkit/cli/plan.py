@@ -66,7 +66,7 @@ def format_layout(data: dict) -> str:
 @click.option("--model", required=True, help="preset (gpt3-175b, llama2-7b), HF id in the local cache, folder or config.json")
 @click.option("--gpus", type=int, required=True, help="total GPUs (must equal dp * tp * pp [* cp])")
 @click.option("--gpus-per-node", type=int, required=True, help="GPUs per node (the NVLink domain)")
-@click.option("--gpu", type=click.Choice(list(hardware.GPUS) + list(hardware.ALIASES)), default="a100-80gb",
+@click.option("--gpu", type=click.Choice(list(hardware.GPUS)), default="a100-80gb",
               show_default=True)
 @click.option("--batch", type=int, default=None, help="GLOBAL batch in sequences [8 x gpus]")
 @click.option("--seq", type=int, default=None, help="tokens per sequence [min(context, 2048)]")

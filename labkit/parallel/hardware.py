@@ -70,8 +70,9 @@ GPUS = {
     "b200": GpuSpec(180.0, 2250.0, 900.0, 400.0, 8000.0, fp8_tflops=4500.0),
     "v100-32gb": GpuSpec(32.0, 125.0, 150.0, 100.0, 900.0),
 }
-#: Older names that mean the same card.
+#: Older names that mean the same card (kept as keys too: `labkit preflight` and old notebooks index GPUS by them).
 ALIASES = {"h100-80gb": "h100-sxm"}
+GPUS.update({old: GPUS[new] for old, new in ALIASES.items()})
 PRECISIONS = ("bf16", "fp16", "fp8")
 
 
