@@ -3,7 +3,7 @@
 One place decides where it is, so every writer and reader agree (and tests point it at a temporary
 folder): `LABKIT_CACHE`, else `$XDG_CACHE_HOME/labkit`, else `~/.cache/labkit`. It holds the
 Food-11 tensor cache (`labkit.train.imagecache`), `comm_bench.json` (`labkit bench comm`) and
-`matmul_efficiency.json` (`labkit preflight`, read by the planner).
+`matmul_efficiency.json` (`labkit preflight`; the planner reads it only when passed `--measured`).
 """
 from __future__ import annotations
 
