@@ -3,9 +3,11 @@
 One lock pins every package the CI venv resolved, so a class gets the same versions in week 1 and
 week 12 on the CPU venv (`make lab`), the conda env of a GPU node (environment.yml) and the containers
 (Dockerfile, containers/labkit.def): all install with `-c requirements/lock.txt`. It is written from
-`pip freeze` of the venv (`make lock`) minus what is not a PyPI pin:
+`pip freeze` of the venv (`make lock`) minus what is not a PyPI pin of labkit's environment:
 
 - labkit itself (an editable install) and any other local or VCS line;
+- what labkit does not use: a package outside the dependency tree of labkit and its installed extras
+  (a tool someone installed into the venv by hand);
 - the CUDA runtime of the torch build (nvidia-*, cuda-*, triton): each CUDA build of torch pins its
   own exactly, and a GPU node installs another build of the same torch (cu126, cu130, cu132:
   labkit.cudadriver) whose runtime packages differ.
@@ -30,10 +32,11 @@ INSTALLERS = {"pip", "setuptools", "wheel"}
 HEADER = """\
 # The class's locked environment: pip constraints for every install of labkit.
 # Made by `make lock` from `pip freeze` of the CI venv (`make venv`: Python {python}, {machine}),
-# minus labkit itself, local lines and torch's CUDA runtime (nvidia-*, cuda-*, triton: each CUDA
-# build of torch pins its own). Installed with `pip install -c {path} ...` by the Makefile,
-# environment.yml, the Dockerfile and containers/labkit.def. Regenerate at the start of a semester
-# (docs/gpu-node.md); a class keeps one lock all term. Do not edit by hand.
+# minus labkit itself, local lines, packages outside labkit's dependency tree and torch's CUDA
+# runtime (nvidia-*, cuda-*, triton: each CUDA build of torch pins its own). Installed with
+# `pip install -c {path} ...` by the Makefile, environment.yml, the Dockerfile and
+# containers/labkit.def. Regenerate at the start of a semester (docs/gpu-node.md); a class keeps
+# one lock all term. Do not edit by hand.
 # python: {python}
 """
 
@@ -48,8 +51,9 @@ def public(version: str) -> str:
     return version.split("+")[0]
 
 
-def lock_lines(freeze: str) -> list[str]:
-    """The `name==version` pins of `pip freeze` output that go into the lock, sorted by name."""
+def lock_lines(freeze: str, keep: set[str] | None = None) -> list[str]:
+    """The `name==version` pins of `pip freeze` output that go into the lock, sorted by name; with
+    `keep`, only those packages (labkit's dependency tree: `needed`)."""
     pins = {}
     for line in freeze.splitlines():
         line = line.strip()
@@ -59,16 +63,19 @@ def lock_lines(freeze: str) -> list[str]:
         name, version = normalize(match.group(1)), match.group(2)
         if name == "labkit" or name in INSTALLERS or TORCH_BUILD_PACKAGES.match(name):
             continue
+        if keep is not None and name not in keep:
+            continue
         pins[name] = f"{name}=={public(version)}"
     return [pins[name] for name in sorted(pins)]
 
 
-def render(freeze: str, *, python: str | None = None, machine: str | None = None) -> str:
+def render(freeze: str, keep: set[str] | None = None, *, python: str | None = None,
+           machine: str | None = None) -> str:
     """The text of the lock file for `pip freeze` output (deterministic: rerunning changes nothing)."""
     python = python or "%d.%d" % sys.version_info[:2]
     head = HEADER.format(python=python, machine=machine or f"{platform.system()} {platform.machine()}",
                          path=LOCK_PATH)
-    return head + "\n".join(lock_lines(freeze)) + "\n"
+    return head + "\n".join(lock_lines(freeze, keep)) + "\n"
 
 
 @dataclass(frozen=True)
@@ -104,30 +111,38 @@ def distributions() -> dict[str, metadata.Distribution]:
     return out
 
 
-def requirement_names(dist: metadata.Distribution) -> list[tuple[str, bool]]:
-    """(normalized name, behind an `extra ==` marker) of each requirement in `dist`'s metadata."""
+def requirements(dist: metadata.Distribution) -> list[tuple[str, frozenset[str], str | None]]:
+    """(name, extras it asks for, the extra it belongs to or None) of each requirement in `dist`'s
+    metadata: 'jsonschema[format-nongpl]>=4; extra == "cli"' -> ('jsonschema', {'format-nongpl'}, 'cli')."""
     out = []
     for req in dist.requires or []:
-        name = normalize(re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req).group(1))
-        out.append((name, bool(re.search(r"extra\s*==", req))))
+        head = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[([^\]]*)\])?", req)
+        asked = frozenset(normalize(e) for e in (head.group(2) or "").split(",") if e.strip())
+        extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", req)
+        out.append((normalize(head.group(1)), asked, normalize(extra.group(1)) if extra else None))
     return out
 
 
 def needed(dists: dict[str, metadata.Distribution], root: str = "labkit") -> tuple[set[str], set[str]]:
-    """(labkit's own non-extra requirements, every installed package labkit's code can reach): its
-    requirements and theirs, transitively, through what is installed. Extras count for labkit only
-    (its `test` extra when installed); environment markers are not evaluated, so a requirement
-    counts when its package is installed."""
+    """(labkit's own requirements outside its extras, every installed package labkit's code can reach):
+    its requirements (its extras too) and theirs, transitively through what is installed, following
+    the extras each requirement asks for (jsonschema[format-nongpl]). Environment markers other than
+    `extra` are not evaluated: a requirement counts when its package is installed."""
     if root not in dists:
         return set(), set()  # labkit on sys.path without being installed: nothing to walk from
-    own = requirement_names(dists[root])
-    base = {name for name, extra in own if not extra}
-    reach, todo = set(), [name for name, _ in own if name in dists]
+    own = requirements(dists[root])
+    base = {name for name, _, extra in own if extra is None}
+    reach: set[str] = set()
+    seen: set[tuple[str, frozenset[str]]] = set()
+    todo = [(name, asked) for name, asked, _ in own if name in dists]
     while todo:
-        name = todo.pop()
-        if name not in reach:
-            reach.add(name)
-            todo += [n for n, extra in requirement_names(dists[name]) if not extra and n in dists]
+        name, asked = todo.pop()
+        if (name, asked) in seen:
+            continue
+        seen.add((name, asked))
+        reach.add(name)
+        todo += [(n, a) for n, a, extra in requirements(dists[name])
+                 if n in dists and (extra is None or extra in asked)]
     return base, reach
 
 
@@ -170,8 +185,13 @@ def status(path: Path | None = None) -> dict:
 
 
 def main() -> int:
-    """`pip freeze | python -m labkit.lockfile > requirements/lock.txt` (what `make lock` runs)."""
-    sys.stdout.write(render(sys.stdin.read()))
+    """`pip freeze | python -m labkit.lockfile > requirements/lock.txt` (what `make lock` runs), in the
+    venv whose freeze it reads: it keeps labkit's dependency tree there."""
+    dists = distributions()
+    if "labkit" not in dists:
+        print("error: labkit is not installed in this environment -> run `make venv` first", file=sys.stderr)
+        return 1
+    sys.stdout.write(render(sys.stdin.read(), needed(dists)[1]))
     return 0
 
 

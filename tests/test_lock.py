@@ -34,6 +34,8 @@ def test_lock_lines_keep_pypi_pins_only_normalized_and_sorted():
     # labkit (editable), local files, installers and torch's CUDA runtime are not pins of the lock;
     # the +cu126 label goes: any CUDA build of the locked torch satisfies it.
     assert lockfile.lock_lines(FREEZE) == ["accelerate==1.15.0", "jinja2==3.1.6", "pyyaml==6.0.4", "torch==2.14.1"]
+    # `make lock` keeps labkit's dependency tree: a tool installed into the venv by hand stays out
+    assert lockfile.lock_lines(FREEZE, {"torch", "jinja2"}) == ["jinja2==3.1.6", "torch==2.14.1"]
 
 
 def test_render_is_deterministic_and_parses_back():
@@ -67,11 +69,16 @@ def test_compare_names_every_difference():
                      "accelerate is not installed"]
 
 
-def test_this_environment_matches_the_lock_and_labkit_reaches_its_dependencies():
+def test_labkit_reaches_its_dependencies_through_the_extras_they_ask_for():
     base, reach = lockfile.needed(lockfile.distributions())
-    assert {"torch", "transformers", "deepspeed"} <= base
-    assert {"huggingface-hub", "tokenizers", "numpy"} <= reach  # transitive, through what is installed
-    status = lockfile.status(ROOT / lockfile.LOCK_PATH)
+    assert {"torch", "transformers", "deepspeed"} <= base and "pytest" not in base
+    assert {"huggingface-hub", "tokenizers", "numpy", "pytest"} <= reach  # transitive; labkit's test extra
+    assert "fqdn" in reach  # jupyter-events -> jsonschema[format-nongpl] -> fqdn; an extra another package asks for
+    assert "pip" not in reach
+
+
+def test_labkit_env_finds_this_checkouts_lock_and_it_matches():
+    status = lockfile.status()
     assert status == {"path": str(ROOT / lockfile.LOCK_PATH), "matches": True, "differences": []}, \
         "the venv differs from the lock: `make venv` installs the lock; after a pyproject change, `make lock`"
 

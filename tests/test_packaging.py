@@ -160,14 +160,19 @@ def test_the_lock_satisfies_pyproject(pyproject):
 
 
 def test_the_venv_is_the_lock():
-    # What `make lock` would write from this venv is the committed lock, byte for byte: a package
-    # installed, upgraded or removed since (by hand or by a pyproject change) fails here.
+    # What `make lock` would write from this venv agrees with the committed lock: every package of
+    # labkit's tree installed here is locked at its version, and every locked package is either
+    # installed at that version or not installed at all (an extra this venv lacks, e.g. on a GPU node).
     freeze = subprocess.run([sys.executable, "-m", "pip", "freeze"], capture_output=True, text=True, timeout=120)
     assert freeze.returncode == 0, freeze.stderr
-    want, have = LOCK_FILE.read_text(), lockfile.render(freeze.stdout)
-    diff = sorted(set(want.splitlines()) ^ set(have.splitlines()))
-    assert have == want, (f"this venv differs from {lockfile.LOCK_PATH} (lines only in one of them: {diff}): "
-                          "`make venv` installs the lock; after changing pyproject.toml run `make lock`")
+    dists = lockfile.distributions()
+    have = set(lockfile.lock_lines(freeze.stdout, lockfile.needed(dists)[1]))
+    want = set(LOCK_FILE.read_text().splitlines()) - {line for line in LOCK_FILE.read_text().splitlines()
+                                                       if line.startswith("#")}
+    drift = sorted(have - want) + sorted(line for line in want - have if line.split("==")[0] in dists)
+    assert drift == [], (f"this venv differs from {lockfile.LOCK_PATH} (installed vs locked: {drift}): "
+                         "`make venv` installs the lock; after changing pyproject.toml run `make lock`")
+    assert lockfile.parse(LOCK_FILE.read_text()).python == "%d.%d" % sys.version_info[:2]
 
 
 def test_every_makefile_install_uses_the_lock():
