@@ -171,8 +171,11 @@ def probe_rank(spec: dict, cfg, ctx) -> None:
     gathered = [None] * world
     dist.all_gather_object(gathered, {"pairs": rows, "matmul": {"rank": ctx.rank, **_matmul(device, cfg.precision.amp)}})
     if ctx.is_main:
-        pair_rows = sorted((r for part in gathered for r in part["pairs"]), key=lambda r: r["ranks"])
-        data = {"run_id": spec["run_id"], "allreduce": pair_rows, "comm": [dataclasses.asdict(r) for r in all_rows],
+        # Both ranks of a pair timed it; the all-reduce is done when the slower one is (as commbench's max).
+        pair_rows = {}
+        for r in sorted((r for part in gathered for r in part["pairs"]), key=lambda r: r["seconds"]):
+            pair_rows[tuple(r["ranks"])] = r
+        data = {"run_id": spec["run_id"], "allreduce": [pair_rows[k] for k in sorted(pair_rows)], "comm": [dataclasses.asdict(r) for r in all_rows],
                 "matmul": [part["matmul"] for part in gathered]}
         Path(spec["out"]).write_text(json.dumps(data, indent=1), encoding="utf-8")
         if all_rows:

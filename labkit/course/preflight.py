@@ -121,7 +121,7 @@ def run(profile: str | Profile, *, out: str | Path = "build/preflight", steps: i
     checks = labs_checks(prof)
     common = dict(profile=prof.name, steps=steps, warmup_steps=1, eval_batches=0, progress=False, out=str(out))
     plan = [(s, m, o, f"{run_id}-{i:02d}-{s}") for i, (s, m, o) in enumerate(runs_for(prof))]
-    checks += [_single(model, {**options, **common, "run_id": rid}) for s, model, options, rid in plan if s == "single"]
+    checks += [_single(model, options, {**common, "run_id": rid}) for s, model, options, rid in plan if s == "single"]
     many = [(s, {**o, "model": m, "run_id": rid}) for s, m, o, rid in plan if s != "single"]
     checks += accelerate_checks(prof, out, steps)
     checks += _train_many(prof, many, common, out, run_id)
@@ -198,16 +198,16 @@ def accelerate_checks(profile: Profile, out: Path, steps: int) -> list[Check]:
     return checks
 
 
-def _single(model: str, options: dict) -> Check:
+def _single(model: str, options: dict, common: dict) -> Check:
+    """One single-device variant, in this process (`options`: the variant; `common`: profile, steps, out...)."""
     from labkit.train.api import run as train
 
-    own = {k: v for k, v in options.items() if k in ("amp", "accum", "checkpointing", "channels_last", "memory_cap_gb")}
     start = time.perf_counter()
     try:
-        record = train("single", model, **options)
+        record = train("single", model, **options, **common)
     except (LabkitError, RuntimeError) as exc:  # a failed run (e.g. CUDA OOM) is a result, not a crash
-        return _failed("single", model, time.perf_counter() - start, exc, options["profile"], own)
-    return _from_record(record, time.perf_counter() - start, own)
+        return _failed("single", model, time.perf_counter() - start, exc, common["profile"], options)
+    return _from_record(record, time.perf_counter() - start, options)
 
 
 def _train_many(prof: Profile, runs: list, common: dict, out: Path, run_id: str) -> list[Check]:
@@ -298,8 +298,9 @@ def probe_checks(probes: dict | None, profile: Profile, topology: dict | None = 
             checks.append(Check("probe", name, "failed", r["seconds"], f"{measured} over PCIe (topology {cell}); "
                                 f"profile {profile.name} expects NVLink between its GPUs", _LINK_FIX))
         else:
+            where = f" ({cell or 'topology unknown'})" if bar else ""
             checks.append(_judged(name, r["seconds"], r["busbw_GBps"], exp, bar and bar.busbw_share, measured,
-                                  f" ({cell or 'topology unknown'})", "GB/s", _LINK_FIX))
+                                  where, "GB/s", _LINK_FIX))
     if profile.nproc > 1 and not probes["allreduce"]:
         checks.append(Check("probe", "all-reduce", "failed", 0.0, "no rank pair measured", "rerun the preflight"))
     if probes.get("comm"):
@@ -311,7 +312,8 @@ def probe_checks(probes: dict | None, profile: Profile, topology: dict | None = 
     for m in probes["matmul"]:
         half = m["dtype"] in ("bfloat16", "float16")
         exp = node_probes.expected_tflops(m["device"]) if bar and half else None
-        measured = f"GPU {m['rank']} {m['device']}: {m['n']}^2 {m['dtype']} {m['tflops']:.2f} TFLOPS"
+        who = "GPU" if profile.device == "cuda" else "rank"
+        measured = f"{who} {m['rank']} {m['device']}: {m['n']}^2 {m['dtype']} {m['tflops']:.3g} TFLOPS"
         checks.append(_judged(f"matmul {m['rank']}", m["seconds"], m["tflops"], exp, bar and bar.tflops_share,
                               measured, "", "TFLOPS", _GPU_FIX))
     return checks
