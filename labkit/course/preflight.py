@@ -253,7 +253,7 @@ def _train_many(prof: Profile, runs: list, common: dict, out: Path, run_id: str)
 def _from_record(record, seconds: float, options: dict) -> Check:
     finite = bool(record.losses) and all(math.isfinite(x) for x in record.losses)
     losses = f"loss {record.losses[0]:.3f} -> {record.losses[-1]:.3f}" if record.losses else "no loss recorded"
-    detail = f"{variant(options)} | {record.model} x{record.world_size} {record.dtype}: {losses}"
+    detail = " | ".join(filter(None, (variant(options), f"{record.model} x{record.world_size} {record.dtype}: {losses}")))
     return Check("strategy", record.strategy, "ok" if finite else "failed", seconds, detail,
                  "" if finite else "the loss is not finite: check the precision (fp16 needs a GradScaler)",
                  max(record.peak_bytes, default=None), record.model)
@@ -265,7 +265,8 @@ def _failed(strategy: str, model: str, seconds: float, exc: Exception, profile: 
                     for k, v in sorted((options or {}).items()) if k not in ("model", "run_id"))
     fix = (f"see the error; rerun alone for the full traceback: labkit train --strategy {strategy} "
            f"--model {model} --profile {profile} --steps 3{flags}" + ("" if strategy == "single" else " --nproc N"))
-    return Check("strategy", strategy, "failed", seconds, f"{variant(options or {})} | {first}", fix, None, model)
+    return Check("strategy", strategy, "failed", seconds, " | ".join(filter(None, (variant(options or {}), first))), fix,
+                 None, model)
 
 
 # ----------------------------------------------------------------------------------- probes, judged
