@@ -53,5 +53,8 @@ RUN pip install -c requirements/lock.txt -c /tmp/torch-constraint.txt -e . \
 
 # DeepSpeed's JIT-built ops go to a writable cache (the image may be read-only under Apptainer).
 ENV TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+# Every lab's results (labkit.results.runs_root): the folder `docker run -v HOST:/opt/labkit/runs` mounts,
+# so they outlive the container (containers/README.md); the notebooks' own folder is not mounted.
+ENV LABKIT_RUNS=/opt/labkit/runs
 EXPOSE 8888
 CMD ["jupyter", "lab", "--ip=0.0.0.0", "--port=8888", "--no-browser", "--allow-root", "--notebook-dir=/opt/labkit/notebooks"]

@@ -184,3 +184,14 @@ def test_the_readme_documents_both_builds():
     text = (ROOT / "containers" / "README.md").read_text()
     assert "docker build -t labkit:gpu ." in text and "apptainer build labkit.sif containers/labkit.def" in text
     assert "--gpus all" in text and "exec --nv" in text
+
+
+def test_results_go_to_a_folder_that_outlives_the_container():
+    """Issue 25 (13): notebooks in the image are read-only (Apptainer) or vanish with the container
+    (Docker): LABKIT_RUNS points at the folder the README mounts (Docker) or at the bound home (Apptainer)."""
+    docker, apptainer = RECIPES["Dockerfile"].read_text(), RECIPES["apptainer"].read_text()
+    readme = (ROOT / "containers" / "README.md").read_text()
+    [root] = re.findall(r"^ENV LABKIT_RUNS=(\S+)$", docker, re.M)
+    assert f':{root}"' in readme, f"the README's docker run must mount a host folder at {root}"
+    assert re.search(r'^\s+export LABKIT_RUNS="\$\{LABKIT_RUNS:-\$\{HOME\}/', apptainer, re.M)
+    assert "LABKIT_RUNS" in readme and "rsync" in readme  # where results go, and how they leave the node

@@ -173,9 +173,10 @@ def test_preflight_smoke_trains_every_strategy_and_probes(tmp_path):
     assert trained == dict.fromkeys(parallel.STRATEGIES, "ok")
     assert all(c["status"] == "ok" for c in checks)
     saved = json.loads((out / "preflight.json").read_text())
-    assert saved["profile"] == "smoke" and len(saved["allreduce"]) == 1
+    assert saved["profile"] == "smoke" and len(saved["allreduce"]) == 1 and saved["run_id"].startswith("preflight-")
     assert saved["allreduce"][0]["ranks"] == [0, 1] and saved["allreduce"][0]["busbw_GBps"] > 0
-    assert saved["matmul"]["tflops"] > 0 and saved["matmul"]["dtype"] == "float32"
+    assert [m["rank"] for m in saved["matmul"]] == [0, 1] and all(m["tflops"] > 0 for m in saved["matmul"])
+    assert saved["comm"] and (out / "comm_bench.json").is_file()  # the all-rank measurement, kept in OUT
 
 
 # ---------------------------------------------------------------- lab04's holder check, any precision
