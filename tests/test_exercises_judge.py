@@ -110,6 +110,41 @@ def test_returns_specs_are_strict_and_name_what_came_back():
             conform(value, spec, "f()")
 
 
+def test_tests_of_two_submissions_interleave_only_while_waiting_and_keep_their_own_rng():
+    """`labkit grade --workers`: a test that seeds the RNG, waits for a student's process, then draws again gets
+    the draws it would get alone, though another submission's test ran (and reseeded) meanwhile."""
+    import random
+    import threading
+
+    from labkit.course.exercises.student import judging, waiting
+
+    inside, resume, draws = threading.Event(), threading.Event(), {}
+
+    def first():
+        with judging({}):
+            random.seed(1)
+            a = random.random()
+            with waiting():  # as when waiting on a channel: the lock is free for the other thread
+                inside.set()
+                resume.wait(30)
+            draws["first"] = (a, random.random())
+
+    def second():
+        inside.wait(30)
+        with judging({}):
+            random.seed(2)
+            draws["second"] = random.random()
+        resume.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    random.seed(1)
+    assert draws["first"] == (random.random(), random.random()) and "second" in draws
+
+
 # ---------------------------------------------------------------- one student process, hostile variants
 TESTS = textwrap.dedent('''
     from labkit.course.exercises import case

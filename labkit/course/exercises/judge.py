@@ -23,7 +23,7 @@ from pathlib import Path
 from labkit.course.exercises import wire
 from labkit.course.exercises.cases import Case, CaseResult
 from labkit.course.exercises.process import Launched, exit_reason, launch
-from labkit.course.exercises.student import Student, StudentGone
+from labkit.course.exercises.student import Student, StudentGone, waiting
 from labkit.course.exercises.verdicts import run_cases
 
 _POLL_S = 0.1
@@ -193,7 +193,8 @@ class RemoteStudent(Student):
         if self.gone:
             raise StudentGone(self.gone)
         try:
-            return self.channel.exchange(request, self.deadline)
+            with waiting():  # other submissions' tests run while this one waits for the student's process
+                return self.channel.exchange(request, self.deadline)
         except StudentGone as exc:
             self.gone = str(exc)
             raise

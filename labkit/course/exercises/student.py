@@ -126,7 +126,7 @@ class LocalStudent(Student):
         from labkit.course.exercises.server import perform
 
         request = cloudpickle.loads(cloudpickle.dumps(request))  # the copies a sandboxed process would get
-        with _waiting():
+        with waiting():
             data = wire.encode(perform(self.fn, request, reraise=(KeyboardInterrupt,)))
         try:
             return wire.decode(data)
@@ -216,7 +216,7 @@ def _set_rng_state(state) -> None:
 
 
 @contextmanager
-def _waiting():
+def waiting():
     """Release the grader's lock while this thread waits on another process (see `judging`)."""
     if not getattr(_local, "holding", False):
         yield
@@ -262,7 +262,7 @@ def trusted_spawn(harness: Callable, *, world: int = 2, args: tuple = (), timeou
     _no_student(args, {}, "trusted_spawn")
 
     def compute():
-        with _waiting():
+        with waiting():
             return spawn(harness, world=world, args=tuple(args), timeout=timeout)
 
     return _cached("trusted_spawn", harness, (world, *args), {}, compute)
