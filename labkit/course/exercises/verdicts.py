@@ -58,11 +58,14 @@ def run_cases(fn: Callable | None, cases: list[Case], *, student=None, cache: di
     `before(case)` is called as each case starts."""
     results: list[CaseResult] = []
     stop: tuple[str, str] | None = None
+    local: dict[str, LocalStudent] = {}  # one per exercise: its tests share its runs (`student.spawn(share=True)`)
     for case_ in cases:
         if stop is not None:
             results.append(CaseResult(case_, *stop))
             continue
-        arg = fn if case_.legacy else (student or LocalStudent(fn, case_.exercise))
+        if not case_.legacy and student is None and case_.exercise not in local:
+            local[case_.exercise] = LocalStudent(fn, case_.exercise)
+        arg = fn if case_.legacy else (student or local[case_.exercise])
         if before is not None:
             before(case_)
         try:
