@@ -40,6 +40,9 @@ class TrainFacts:
     steps_per_epoch: int | None = None
     epoch_time_s: float | None = None
     """steps_per_epoch x the median step time: the projected time of one pass over the data."""
+    cpu_step_time_s: list[float] = field(default_factory=list)
+    """Per rank: median CPU-seconds of a steady step (`time.process_time`, all threads of the rank).
+    Unlike the wall clock, other processes on a shared CPU hardly change it (labkit.train.metrics.cpu_share)."""
     flops_per_step: float | None = None
     achieved_tflops: float | None = None
     peak_tflops_per_device: float | None = None

@@ -76,7 +76,15 @@ def _in_process(cfg: TrainConfig) -> results.RunRecord:
 
     ctx = local_context(cfg)
     try:
-        return train(cfg, ctx)
+        if ctx.device.type != "cpu":  # a GPU run keeps torch's CPU threads (unchanged; unverified to matter)
+            return train(cfg, ctx)
+        # The same intra-op threads as a launched rank of this strategy: a 1-rank baseline that computed
+        # on both cores of a 2-core machine would make the 2-rank run look slower than it is.
+        from labkit import launch
+        from labkit.train.metrics import intra_op_threads
+
+        with intra_op_threads(launch.cpu_threads(1, cpu_heavy=cfg.run.strategy in launch.CPU_HEAVY_STRATEGIES)):
+            return train(cfg, ctx)
     finally:
         free_device_memory(ctx.device)  # hand the GPU back to the ranks a later launch starts
 
