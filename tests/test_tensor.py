@@ -135,6 +135,8 @@ def test_expected_collectives_follow_the_layer_count():
 
     assert expected_collectives(2) == {"all_reduce": 19}
     assert expected_collectives(32)["all_reduce"] - expected_collectives(31)["all_reduce"] == 7  # 2 fwd + 5 bwd
+    # Megatron-LM's fused q,k,v and gate,up GEMMs: one f and one g per half-layer (Shoeybi et al. 2019, Fig. 4)
+    assert expected_collectives(32, fused=True)["all_reduce"] - expected_collectives(31, fused=True)["all_reduce"] == 4
     assert expected_collectives(2, sequence_parallel=True) == {"all_gather": 10, "reduce_scatter": 10,
                                                               "all_reduce": 3}
 
