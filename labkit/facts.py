@@ -137,6 +137,9 @@ class PipelineFacts:
     bubble_measured: float | None = None
     """Median idle share per stage over the schedule runs after warm-up."""
     bubble_per_stage: list[float] = field(default_factory=list)
+    stage_ms: list[float] = field(default_factory=list)
+    """Per stage: median ms of compute per micro-batch (forward + backward) over the schedule runs after
+    warm-up (`labkit.parallel.comm.stage_times`): how uneven the stages are."""
     max_in_flight: list[int] = field(default_factory=list)
     schedule_trace: list[dict] = field(default_factory=list)
     """The last schedule run's events: dicts with stage, kind 'F'/'B'/'W', mb, t0, t1 (ms)."""

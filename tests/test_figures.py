@@ -202,3 +202,17 @@ def test_bubble_rows_put_theory_stage_times_and_measurement_side_by_side():
     assert row["stage_ms"] == [1.0, 2.0] and row["bubble_theory"] == 0.2
     assert row["bubble_uneven"] == round(sum(comm.uneven_bubble(times, m)) / 2, 3) > row["bubble_theory"]
     assert row["bubble_free_comm"] == pytest.approx(row["bubble_uneven"], abs=0.05) and row["bubble_measured"] == 0.5
+    steady = dataclasses.replace(rec, pipeline=dataclasses.replace(rec.pipeline, stage_ms=[3.0, 3.0]))
+    assert bubble_rows([steady])[0]["stage_ms"] == [3.0, 3.0]  # the median over steps wins over the last step
+
+
+def test_schedule_facts_keep_the_median_stage_times():
+    from labkit.parallel.pipeline_trace import schedule_facts
+
+    def step(slow: float):  # rank 0: one F and one B of 1 ms; rank 1 of `slow` ms; (kind, mb, t0, t1) in seconds
+        return [[("F", 0, 0.0, 0.001), ("B", 0, 0.002, 0.003)],
+                [("F", 0, 0.0, slow / 1e3), ("B", 0, 0.01, 0.01 + slow / 1e3)]]
+
+    steps = [step(9.0), step(9.0), step(2.0), step(50.0), step(2.0)]  # two warm-up steps, one preempted step
+    facts = schedule_facts([[s[r] for s in steps] for r in range(2)], stages=2, microbatches=1, skip=2)
+    assert facts["stage_ms"] == [2.0, 4.0]

@@ -141,6 +141,16 @@ def test_expected_collectives_follow_the_layer_count():
                                                               "all_reduce": 3}
 
 
+@pytest.mark.parametrize("op, name", [
+    ("_c10d_functional.all_reduce", "all_reduce"), ("c10d.allreduce_", "all_reduce"),
+    ("_c10d_functional.all_gather_into_tensor", "all_gather"), ("c10d._allgather_base_", "all_gather"),
+    ("c10d._reduce_scatter_base_", "reduce_scatter"), ("_c10d_functional.reduce_scatter_tensor", "reduce_scatter")])
+def test_functional_and_c10d_collectives_count_under_one_name(op, name):
+    from labkit.parallel.tensor import collective_name
+
+    assert collective_name(op) == name
+
+
 def test_tp_degree_must_divide_the_heads():
     from labkit.train.api import make_config
 

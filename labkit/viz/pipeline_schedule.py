@@ -83,7 +83,8 @@ def plot_schedule(record_or_events, *, title: str | None = None, ax=None):
 def bubble_rows(records) -> list[dict]:
     """One row per pipeline RunRecord, from the bubble of the theory to the measured one:
 
-    - `stage_ms`: each stage's compute time per micro-batch in the last step (how uneven the stages are);
+    - `stage_ms`: each stage's compute time per micro-batch, median over the steps after warm-up (the last
+      step's for a record without it): how uneven the stages are;
     - `bubble_theory`: (p - 1) / (m + p - 1), equal stages and free communication;
     - `bubble_uneven`: the same flush schedule with the measured stage times (`comm.uneven_bubble`);
     - `bubble_free_comm`: the last step's measured operations re-timed with free messages (`replay`);
@@ -92,7 +93,7 @@ def bubble_rows(records) -> list[dict]:
     rows = []
     for rec in records:
         pipe, events = rec.pipeline, trace_of(rec)
-        times = stage_times(events)
+        times = list(pipe.stage_ms) or stage_times(events)
         rows.append(dict(schedule=pipe.schedule, stages=pipe.pp, microbatches=pipe.microbatches,
                          stage_ms=[round(t, 3) for t in times], bubble_theory=round(pipe.bubble_theory, 3),
                          bubble_uneven=round(_mean(uneven_bubble(times, pipe.microbatches)), 3),
