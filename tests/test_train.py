@@ -25,9 +25,8 @@ def run_main(argv, capsys):
 # ------------------------------------------------------------------ training behaviour
 def test_tiny_resnet_losses_fall(tmp_path):
     threads = torch.get_num_threads()
-    record = run("single", "tiny-resnet", steps=8, out=str(tmp_path), progress=False)
-    # In-process runs compute with a launched rank's threads (1 on CPU), and give the caller's back.
-    assert torch.get_num_threads() == threads
+    record = run("single", "tiny-resnet", steps=8, out=str(tmp_path), progress=False, threads=1)
+    assert torch.get_num_threads() == threads  # --threads 1 in this process, the caller's count given back
     (cpu,) = record.train.cpu_step_time_s  # one rank: its median CPU-seconds of a steady step
     assert 0 < cpu and 0 < metrics.cpu_share(record)[0] < 1.5
     assert record.steps == 8 and np.isfinite(record.losses).all()

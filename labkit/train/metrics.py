@@ -190,10 +190,10 @@ def median_step_time(times: list[float], skip: set[int], warmup: int) -> float:
 
 @contextlib.contextmanager
 def intra_op_threads(n: int):
-    """torch's intra-op threads set to `n` inside the block, restored after. A rank under torchrun
-    gets OMP_NUM_THREADS (`labkit.launch.cpu_threads`); a run in this process gets the same count, so
-    a 1-rank run and the ranks of an N-rank run compute with the same threads each (a scaling ladder
-    that gave the 1-rank run both cores of a 2-core machine measured threads, not ranks)."""
+    """torch's intra-op threads set to `n` inside the block, restored after: `--threads N` for a run in
+    this process, as OMP_NUM_THREADS=N is for a launched rank, so a 1-rank run and the ranks of an N-rank
+    run compute with the same threads each (a scaling ladder that gave the 1-rank run both cores of a
+    2-core machine measured threads, not ranks)."""
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, int(n)))
     try:
