@@ -74,3 +74,19 @@ def test_fsdp_notebook_shows_where_ddp_runs_out_of_memory():
     assert 'oom.ddp_vs_fsdp("llama2-7b"' in code and 'oom_model, oom_options = "llama2-7b"' in code
     # ... and both really run: on GPU the 7B model, in smoke under a cap the notebook asserts DDP exceeds
     assert 'for name in ("ddp", "fsdp")' in code and 'outcome["ddp"] == "OUT OF MEMORY"' in code
+
+
+# ---------------------------------------------------------------- issue 30: questions, hints, labels
+LABS = sorted(p.name[:2] for p in NOTEBOOKS.glob("0*_*.ipynb"))
+
+
+@pytest.mark.parametrize("key", LABS)
+def test_every_code_exercise_has_a_collapsed_hint_beside_it(key):
+    (path,) = NOTEBOOKS.glob(f"{key}_*.ipynb")
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] == "code" and "".join(cell["source"]).startswith("# EXERCISE"):
+            near = [cells[j] for j in (i - 2, i - 1, i + 1)
+                    if 0 <= j < len(cells) and cells[j]["cell_type"] == "markdown"]
+            assert any("<details><summary>Hint" in "".join(c["source"]) for c in near), \
+                f"{path.name} cell {i + 1}: no <details><summary>Hint</summary> next to the exercise"
