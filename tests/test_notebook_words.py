@@ -80,6 +80,31 @@ def test_fsdp_notebook_shows_where_ddp_runs_out_of_memory():
 LABS = sorted(p.name[:2] for p in NOTEBOOKS.glob("0*_*.ipynb"))
 
 
+def question_numbers(key: str) -> list[tuple[int, int]]:
+    """The questions a notebook asks, as (lab, number), in notebook order: '**7.3**' opens a question."""
+    return [(int(a), int(b)) for a, b in re.findall(r"^\*\*(\d+)\.(\d+)\b", text(key), re.M)]
+
+
+@pytest.mark.parametrize("key", LABS)
+def test_questions_are_numbered_without_gaps(key):
+    numbers = question_numbers(key)
+    assert all(lab == int(key) for lab, _ in numbers), numbers
+    assert sorted(n for _, n in numbers) == list(range(1, len(numbers) + 1)), f"{key}: {numbers}"
+
+
+@pytest.mark.parametrize("key", LABS)
+def test_graded_questions_carry_the_notebooks_numbers(key):
+    # Every check named "N.k ..." grades a question the notebook asks, and every question is graded.
+    from labkit.course.grading import registry
+    from labkit.course.grading.evidence import identity
+    import nbformat
+
+    (path,) = NOTEBOOKS.glob(f"{key}_*.ipynb")
+    labels = {tuple(map(int, m.groups())) for c in registry.checks_for(identity(nbformat.read(path, 4)))
+              if (m := re.match(r"(\d+)\.(\d+)[a-z]?\b", c.name))}
+    assert labels == set(question_numbers(key))
+
+
 @pytest.mark.parametrize("key", LABS)
 def test_every_code_exercise_has_a_collapsed_hint_beside_it(key):
     (path,) = NOTEBOOKS.glob(f"{key}_*.ipynb")
