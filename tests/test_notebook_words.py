@@ -115,3 +115,25 @@ def test_every_code_exercise_has_a_collapsed_hint_beside_it(key):
                     if 0 <= j < len(cells) and cells[j]["cell_type"] == "markdown"]
             assert any("<details><summary>Hint" in "".join(c["source"]) for c in near), \
                 f"{path.name} cell {i + 1}: no <details><summary>Hint</summary> next to the exercise"
+
+
+def test_the_harness_warning_is_dropped_for_the_course_tests_only():
+    # torch's "Converting a tensor with requires_grad=True to a scalar" from the course's own test files
+    # (shipped to the ranks by cloudpickle as "<dynamic-code>") is noise to a student; from student code it shows.
+    import types
+    import warnings
+
+    import cloudpickle
+
+    from labkit import quiet
+
+    code = ("import warnings\ndef f():\n    warnings.warn('Converting a tensor with requires_grad=True to a scalar "
+            "may lead to unexpected behavior.', UserWarning)\n")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet.filter_warnings()
+        for name in ("labkit_exercise_tests_03_ddp", "students_notebook"):
+            module = types.ModuleType(name)
+            exec(compile(code, "<dynamic-code>", "exec"), module.__dict__)
+            cloudpickle.loads(cloudpickle.dumps(module.f))()  # as the ranks receive it
+    assert len(seen) == 1 and "Converting a tensor" in str(seen[0].message)
