@@ -6,7 +6,8 @@ Prints, for every row of labkit/data/published_runs.json: the published tokens/s
 model's FLOP count where the source publishes a utilization or TFLOPS, which are shown too), the prediction and
 the error; then a leave-one-source-out cross-validation: the constants refitted without each source, and that
 source's errors. Rows whose `uncertain` field quotes the source on why its layout or hardware is too uncertain
-are predicted and shown, but not counted. Pure Python, ~1-2 minutes on one core.
+are predicted and shown, but not counted; a counted row missed by more than 20 % prints the reason its row
+records (`miss`). Pure Python, ~1 minute on one core.
 """
 from __future__ import annotations
 
@@ -35,6 +36,14 @@ def _summary(label: str, errs: list[dict]) -> str:
             f"worst {s['worst']:.1%}")
 
 
+def _why(errs: list[dict], rows) -> None:
+    """Each counted row missed by more than 20 %, with the reason its JSON row gives (`miss`)."""
+    why = {r.id: r.miss for r in rows}
+    for e in errs:
+        if e["counts"] and abs(e["rel_err"]) > 0.2:
+            print(f"  MISS {e['id']} ({e['rel_err']:+.1%}): {why[e['id']] or 'no reason recorded in the JSON'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-cv", action="store_true", help="skip the leave-one-source-out cross-validation")
@@ -52,6 +61,7 @@ def main() -> None:
         for e in part:
             print(_row(e))
         print(_summary(status, part))
+        _why(part, rows)
     if not args.no_cv:
         print("\nleave-one-source-out: refit without the source, predict all its rows")
         cv = calibration.leave_one_source_out(rows)
@@ -66,6 +76,7 @@ def main() -> None:
         print(_summary("leave-one-source-out, all rows", cv))
         print(_summary("leave-one-source-out, held-out rows", [e for e in cv if e["status"] == "held_out"]))
         print(_summary("leave-one-source-out, calibration rows", [e for e in cv if e["status"] == "calibration"]))
+        _why(cv, rows)
     print(f"\n({time.perf_counter() - t0:.0f} s)")
 
 

@@ -23,7 +23,8 @@ DATA = "published_runs.json"
 #: The reported metric a row is compared on, in order of preference (what the source published most directly).
 METRICS = ("tokens_per_s_per_gpu", "iteration_s", "mfu", "hfu", "tflops_per_gpu")
 LAYOUT_FIELDS = ("checkpointing", "zero", "sequence_parallel", "interleave", "flash", "fsdp", "shard_group",
-                 "dp_overlap", "precision", "fused_kernels", "cp")
+                 "dp_overlap", "precision", "fused_kernels", "cp", "eager", "selective", "reduce_fp32", "tp_overlap",
+                 "pipeline_engine")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class PublishedRun:
     uncertain: str = ""
     note: str = ""
     hardware: str = ""
+    miss: str = ""
+    """Why a counted row the model misses by more than 20 % is missed (printed by bench/planner_heldout.py)."""
 
     @classmethod
     def from_dict(cls, row: dict) -> "PublishedRun":
