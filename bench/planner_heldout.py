@@ -38,10 +38,11 @@ def _summary(label: str, errs: list[dict]) -> str:
 
 def _why(errs: list[dict], rows) -> None:
     """Each counted row missed by more than 20 %, with the reason its JSON row gives (`miss`)."""
-    why = {r.id: r.miss for r in rows}
-    for e in errs:
-        if e["counts"] and abs(e["rel_err"]) > 0.2:
-            print(f"  MISS {e['id']} ({e['rel_err']:+.1%}): {why[e['id']] or 'no reason recorded in the JSON'}")
+    why = {r.id: r.miss or "no reason recorded in the JSON" for r in rows}
+    missed = [e for e in errs if e["counts"] and abs(e["rel_err"]) > 0.2]
+    for reason in dict.fromkeys(why[e["id"]] for e in missed):
+        ids = ", ".join(f"{e['id']} ({e['rel_err']:+.1%})" for e in missed if why[e["id"]] == reason)
+        print(f"  MISSED {ids}:\n    {reason}")
 
 
 def main() -> None:
