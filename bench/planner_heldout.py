@@ -20,11 +20,11 @@ from labkit.parallel import calibration, hardware, published_runs
 def _row(e: dict) -> str:
     flops = (f"{e['published_tflops']:>5.0f} {e['tflops_per_gpu']:>5.0f}" if "published_tflops" in e else f"{'':>5} {'':>5}")
     mark = "" if e["counts"] else "  not counted (uncertain)"
-    return (f"  {e['id']:<32} {e['gpu']:<9} {e['gpus']:>6} {e['tp']:>2} {e['pp']:>3} {e['dp']:>5} {e['zero']:>1} "
+    return (f"  {e['id']:<38} {e['gpu']:<9} {e['gpus']:>6} {e['tp']:>2} {e['pp']:>3} {e['dp']:>5} {e['zero']:>1} "
             f"{e['published_tps']:>9.1f} {e['predicted_tps']:>9.1f} {flops} {e['rel_err']:>+6.1%}{mark}")
 
 
-HEAD = (f"  {'run':<32} {'gpu':<9} {'GPUs':>6} {'t':>2} {'p':>3} {'d':>5} {'z':>1} {'pub tok/s':>9} {'model':>9} "
+HEAD = (f"  {'run':<38} {'gpu':<9} {'GPUs':>6} {'t':>2} {'p':>3} {'d':>5} {'z':>1} {'pub tok/s':>9} {'model':>9} "
         f"{'pubTF':>5} {'modTF':>5} {'error':>6}")
 
 

@@ -179,18 +179,18 @@ def default_efficiency(gpu: str, precision: str = "bf16") -> Efficiency:
     fitted = _fitted(fam)
     if fitted is not None:
         value, source = fitted, (f"{fam.upper()} efficiency fitted to the calibration rows of "
-                                 "labkit/data/published_runs.json (labkit.parallel.calibration)")
+                                 "labkit/data/published_runs.json, labkit.parallel.calibration")
     elif (fam, "bf16") in MAMF:
         shares = [CONSTANTS[k] / MAMF[(k.split(".")[1], "bf16")] for k in CONSTANTS if k.startswith("matmul_")]
         value = MAMF[(fam, "bf16")] * sum(shares) / len(shares)
-        source = (f"{fam.upper()}: no published row; its measured matmul ceiling (MAMF {MAMF[(fam, 'bf16')]:.0%} of "
-                  "peak) x the share of it the fitted GPUs reach (labkit.parallel.hardware.MAMF)")
+        source = (f"{fam.upper()} has no published row: its measured matmul ceiling, MAMF {MAMF[(fam, 'bf16')]:.0%} "
+                  "of peak, x the share of theirs the fitted GPUs reach, labkit.parallel.hardware.MAMF")
     else:
-        value, source = ASSUMED_EFFICIENCY[fam], f"{fam.upper()} efficiency: an assumption, no published row"
+        value, source = ASSUMED_EFFICIENCY[fam], f"{fam.upper()} {precision} efficiency: an assumption, no published row"
     if precision == "fp8":
         ratio = MAMF[(fam, "fp8")] / MAMF[(fam, "bf16")]
-        return Efficiency(round(value * ratio, 4), f"FP8 linears: {source}, x {ratio:.2f} (MAMF fp8 / bf16)")
-    return Efficiency(value, f"{source} ({precision})")
+        return Efficiency(round(value * ratio, 4), f"FP8 linears: {source}; x {ratio:.2f}, MAMF fp8 / bf16")
+    return Efficiency(value, source)
 
 
 #: Where `labkit preflight` writes the node's measured matmul efficiency (format: `read_perf_file`). The planner

@@ -161,12 +161,12 @@ def compare(efficiency: hardware.Efficiency | None = None, rows=None) -> list[di
 
 
 def format_compare(rows: list[dict]) -> str:
-    head = (f"{'run':<34} {'status':<11} {'GPUs':>6} {'t':>2} {'p':>3} {'d':>4} {'z':>1} "
+    head = (f"{'run':<38} {'status':<11} {'GPUs':>6} {'t':>2} {'p':>3} {'d':>4} {'z':>1} "
             f"{'tok/s/GPU':>9} {'model':>9} {'error':>6}")
     lines = [head]
     for r in rows:
         mark = "" if r["counts"] else "  (uncertain: not counted)"
-        lines.append(f"{r['id']:<34} {r['status']:<11} {r['gpus']:>6} {r['tp']:>2} {r['pp']:>3} {r['dp']:>4} "
+        lines.append(f"{r['id']:<38} {r['status']:<11} {r['gpus']:>6} {r['tp']:>2} {r['pp']:>3} {r['dp']:>4} "
                      f"{r['zero']:>1} {r['published_tps']:>9.1f} {r['predicted_tps']:>9.1f} {r['rel_err']:>+6.0%}{mark}")
     return "\n".join(lines)
 
