@@ -7,16 +7,17 @@ GEMMs (the linears, the LM head, the unfused attention's QK^T and AV) -- an addi
     t = 2 M N K / (peak x eta)  +  (M K + K N + M N) x bytes / (HBM bandwidth x MEMORY_EFFICIENCY)
   eta is the fitted share of the peak a training step's GEMMs reach (`hardware.CONSTANTS`); the second term is
   the operands and the output crossing HBM once, which a GEMM's tile pipeline hides only partly. A GEMM of
-  arithmetic intensity I = FLOPs / bytes loses about ridge / I of its speed (ridge = peak x eta / bandwidth,
-  ~110-300 FLOP/B): 1-3 % for a 175B layer's GEMMs, 10-25 % for a hidden size of 2k, a small micro-batch or a
-  wide tensor-parallel split -- "larger GEMMs have higher arithmetic intensity and are consequently more
+  arithmetic intensity I = FLOPs / bytes loses about ridge / I of its speed (ridge = peak x eta / bandwidth:
+  ~150 FLOP/B on an A100, ~300 on an H100 SXM, ~380 on the 2.4 TB/s H100): ~10 % for the linears of the
+  Megatron rows, 14-17 % for Llama 3 405B and 8B on H100s, 50 % for an 8B model split 8 ways (its GQA k and v
+  projections are 128 columns wide) -- "larger GEMMs have higher arithmetic intensity and are consequently more
   efficient to execute" (Megatron-LM's README, its H100 weak-scaling table; Narayanan et al. 2021 Sec. 3.4:
   "increasing the microbatch size can also improve GPU utilization by increasing the arithmetic intensity").
   Per linear: one forward GEMM, two in the backward (input and weight gradients: the same three matrices).
 Fused (flash) attention -- its own kernel efficiency, not the GEMMs': FlashAttention-2 reaches 99-189 TFLOPS
   forward + backward with a causal mask, head dimension 128, from 512 to 16k tokens on an A100 (Dao 2023,
-  Fig. 4d) and ~35 % of the peak on an H100 (Shah et al. 2024, FlashAttention-3); PyTorch's SDPA still runs
-  FlashAttention-2 there (pytorch/pytorch#142132: 329 TFLOPS vs cuDNN's 631 on H100). Modelled as
+  Fig. 4d), "up to 335" unmasked on an H100 (Fig. 7; ~35 % of its peak, Shah et al. 2024); PyTorch's SDPA still
+  runs FlashAttention-2 there (pytorch/pytorch#142132: 329 TFLOPS vs cuDNN's 631 on H100). Modelled as
   eta_attn(s) = eta_inf x s / (s + ATTENTION_S0): the causal diagonal tiles and each query block's fixed work
   (load Q, rescale, write O) weigh more for short sequences (the A100 curve above gives s0 ~ 500). Only the
   unmasked half of the scores is computed; the backward does 2.5 forwards' worth (FA2 recomputes S).
