@@ -231,6 +231,8 @@ def _tp_overlapped(spec, lay: Layout, tok: int, tp_s: float, n_ar: float, rates:
     half = tp_s / (2 * n_ar)  # one all-gather or reduce-scatter of one layer and pass
     t = lay.tp
     blocks = perf_ops.tp_blocks_s(spec, tok, t, rates)
+    if not blocks:  # no row-parallel linear to pair with: nothing known to hide behind
+        return tp_s
     per_pass = sum(half / t + exposed_behind(half * (t - 1) / t, gemm) for col, row in blocks for gemm in (col, row))
     return per_pass * n_ar / len(blocks)  # a pass of a layer is len(blocks) all-reduce equivalents
 
