@@ -228,3 +228,15 @@ def test_deepspeed_p2p_constant_is_what_its_schedule_replay_gives():
     exposed = (sim(8, 32, 3.0, 0.05) - sim(8, 32, 3.0, 0.0)) / (32 * 0.05)
     assert exposed == pytest.approx(perf_model.DEEPSPEED_P2P_EXPOSED, rel=0.15)
 
+
+
+def test_async_tp_hides_at_most_the_gemm_beside_it_and_deepspeed_exposes_more_p2p():
+    by_id = {r.id: r for r in RUNS}
+    vanilla, overlapped = by_id["torchtitan-8b-fsdp8-tp8"].predict(), by_id["torchtitan-8b-fsdp8-tp8-async"].predict()
+    assert vanilla.tp_s / 8 < overlapped.tp_s < vanilla.tp_s  # the first of 8 chunks always waits
+    mtnlg = by_id["mt-nlg-530b-2240"]
+    megatron = perf_model.Layout(**{**mtnlg.layout().__dict__, "pipeline_engine": "megatron"})
+    kw = dict(seq=mtnlg.seq, gpu=mtnlg.gpu, gpus_per_node=8, efficiency=A100)
+    assert mtnlg.predict().pp_s == pytest.approx(2 * perf_model.step_time(mtnlg.spec(), megatron, **kw).pp_s)
+    h100 = hardware.gpu_spec("h100-96gb")  # torchtitan's 500 W part: between the NVL (400 W) and SXM (700 W)
+    assert h100.peak_tflops == pytest.approx(835 + (989 - 835) * (500 - 400) / (700 - 400), abs=1)
