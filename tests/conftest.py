@@ -21,6 +21,20 @@ TESTS_DIR = Path(__file__).resolve().parent
 KERNEL = "labkit"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--kind-profile", metavar="FILE", default=None,
+                     help="append each test's wall/CPU seconds and processes to FILE (JSON lines) and print the "
+                          "time by kind at the end (tests/_profile.py; `make test-profile`)")
+
+
+def pytest_configure(config):
+    path = config.getoption("--kind-profile")
+    if path:
+        from _profile import KindProfile
+
+        config.pluginmanager.register(KindProfile(Path(path).resolve()), "labkit-kind-profile")
+
+
 @pytest.fixture
 def run_cells(tmp_path):
     """Execute code cells in a fresh notebook on the `labkit` kernel; returns the executed notebook."""
