@@ -25,6 +25,9 @@ def pytest_addoption(parser):
     parser.addoption("--kind-profile", metavar="FILE", default=None,
                      help="append each test's wall/CPU seconds and processes to FILE (JSON lines) and print the "
                           "time by kind at the end (tests/_profile.py; `make test-profile`)")
+    parser.addoption("--notebooks", metavar="STEMS", default=None,
+                     help="comma-separated notebook names (03_ddp,...): deselect the notebook-parametrized tests of "
+                          "every other notebook (`make test-changed`, tests/_changed.py)")
 
 
 def pytest_configure(config):
@@ -33,6 +36,19 @@ def pytest_configure(config):
         from _profile import KindProfile
 
         config.pluginmanager.register(KindProfile(Path(path).resolve()), "labkit-kind-profile")
+
+
+def pytest_collection_modifyitems(config, items):
+    wanted = config.getoption("--notebooks")
+    if not wanted:
+        return
+    root = TESTS_DIR.parent
+    stems = {p.stem for folder in ("notebooks", "reservations") for p in (root / folder).glob("*.ipynb")}
+    keep = set(wanted.split(","))
+    drop = [item for item in items if (named := {s for s in stems if s in item.nodeid}) and not named & keep]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [item for item in items if item not in drop]
 
 
 @pytest.fixture
