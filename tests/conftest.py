@@ -39,16 +39,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    wanted = config.getoption("--notebooks")
-    if not wanted:
-        return
-    root = TESTS_DIR.parent
-    stems = {p.stem for folder in ("notebooks", "reservations") for p in (root / folder).glob("*.ipynb")}
-    keep = set(wanted.split(","))
-    drop = [item for item in items if (named := {s for s in stems if s in item.nodeid}) and not named & keep]
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = [item for item in items if item not in drop]
+    from _schedule import narrow_to_notebooks, schedule
+
+    narrow_to_notebooks(config, items, TESTS_DIR.parent)
+    schedule(config, items)
 
 
 @pytest.fixture
