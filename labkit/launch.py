@@ -155,9 +155,10 @@ class _RankTail(threading.Thread):
     in a Jupyter cell. sys.stdout is looked up at write time: in a notebook it is the cell's stream.
     """
 
-    def __init__(self, pattern: str, echo: bool):
+    def __init__(self, pattern: str, echo: bool, offsets: dict[str, int] | None = None):
         super().__init__(daemon=True)
         self.pattern, self.echo = pattern, echo
+        self.offsets = offsets or {}  # bytes of each stream to skip: a warm rank's earlier runs (labkit.rank_pool)
         self.done = threading.Event()
         self.parts: list[str] = []
 
@@ -194,6 +195,7 @@ class _RankTail(threading.Thread):
             if not path.exists():
                 return 0
             handles[name] = path.open("rb")
+            handles[name].seek(self.offsets.get(name, 0))
         data = handles[name].read(65536)
         if data:
             text = decoder.decode(data)
@@ -301,13 +303,16 @@ def run(module: str, args: list[str], *, nproc: int, timeout_s: float = 600, env
         proc.stdout.close()
     attempt = _attempt_dir(root, run_id)
     if code is None:
-        raise LaunchError(f"{module} did not finish within timeout_s={timeout_s:g} s on {nproc} rank(s); all ranks "
-                          f"were stopped. Raise timeout_s (or the profile's timeout_s) if the run needs longer, "
-                          f"or look for a rank stuck in a collective in the logs under {attempt or root}",
-                          output=tail.text)
+        raise timeout_error(module, timeout_s, nproc, attempt or root, tail.text)
     if code != 0:
         raise _failure(module, code, attempt, reader.text, tail.text, nproc=nproc, node_rank=node_rank)
     return LaunchResult(returncode=code, output=tail.text, log_dir=attempt or root)
+
+
+def timeout_error(module: str, timeout_s: float, nproc: int, logs: str, output: str) -> LaunchError:
+    return LaunchError(f"{module} did not finish within timeout_s={timeout_s:g} s on {nproc} rank(s); all ranks "
+                       f"were stopped. Raise timeout_s (or the profile's timeout_s) if the run needs longer, "
+                       f"or look for a rank stuck in a collective in the logs under {logs}", output=output)
 
 
 def _attempt_dir(root: str, run_id: str) -> str | None:
