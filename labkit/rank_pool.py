@@ -65,7 +65,9 @@ def enabled() -> bool:
     switch = os.environ.get(ENV_SWITCH, "").strip()
     if switch in ("0", "1"):
         return switch == "1"
-    return "ipykernel" in sys.modules
+    ipython = sys.modules.get("IPython")  # a kernel's shell has a .kernel; a plain InteractiveShell has none
+    shell = ipython.get_ipython() if ipython is not None else None
+    return getattr(shell, "kernel", None) is not None
 
 
 class _Pool:

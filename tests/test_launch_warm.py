@@ -44,7 +44,8 @@ def gone(pids) -> bool:
     return not [p for p in pids if running(p)]
 
 
-def test_runs_share_ranks_and_each_shows_only_its_own_output():
+def test_runs_share_ranks_leave_nothing_behind_and_a_failure_starts_a_fresh_pool():
+    # one pool for several checks (each pool costs three Python processes importing torch)
     first = job("ok", "first")
     pids = rank_pool.current_pids()
     assert len(pids) == 3, "torchrun and two warm ranks"
@@ -52,41 +53,28 @@ def test_runs_share_ranks_and_each_shows_only_its_own_output():
     assert rank_pool.current_pids() == pids  # the same processes served both runs
     assert "rank 0 of 2: sum=3 first" in first.output and "rank 1" not in first.output
     assert "rank 0 of 2: sum=3 second" in second.output and "first" not in second.output
-
-
-def test_a_run_leaves_no_state_for_the_next():
-    job("ok")
     before = job("state").output
     job("leak")  # a subgroup, an environment variable, torch's thread count and matmul precision
     after = job("state").output
     assert "leak=None" in after and after.split("groups=")[1] == before.split("groups=")[1], (before, after)
-
-
-def test_a_failed_run_is_reported_as_a_cold_one_and_the_next_starts_fresh():
-    job("ok")
-    old = rank_pool.current_pids()
     with pytest.raises(LaunchError) as info:
         job("raise")
     err = info.value
     assert err.rank == 1 and "ValueError: rank 1 exploded on purpose" in err.traceback
-    wait_for(lambda: gone(old), GONE_S, "the failed pool's processes are still running")
+    wait_for(lambda: gone(pids), GONE_S, "the failed pool's processes are still running")
     assert "sum=3" in job("ok").output
-    assert not set(rank_pool.current_pids()) & set(old)
+    assert rank_pool.current_pids() and not set(rank_pool.current_pids()) & set(pids)
 
 
-def test_another_environment_gets_another_pool():
+def test_another_environment_gets_another_pool_and_a_timeout_kills_it():
     job("ok")
     old = rank_pool.current_pids()
     job("ok", env={**ENV, "DS_ACCELERATOR": "cpu"})  # what a DeepSpeed run brings
     wait_for(lambda: gone(old), GONE_S, "the previous pool was not stopped")
-    assert rank_pool.current_pids() and not set(rank_pool.current_pids()) & set(old)
-
-
-def test_timeout_kills_the_pool():
-    job("ok")
     pids = rank_pool.current_pids()
+    assert pids and not set(pids) & set(old)
     with pytest.raises(LaunchError, match=r"timeout_s=30"):
-        job("hang", timeout_s=30)
+        job("hang", env={**ENV, "DS_ACCELERATOR": "cpu"}, timeout_s=30)
     wait_for(lambda: gone(pids), GONE_S, "ranks outlived the timeout")
 
 
