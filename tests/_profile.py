@@ -57,6 +57,7 @@ class _Sampler(threading.Thread):
     def __init__(self):
         super().__init__(daemon=True, name="kind-profile-sampler")
         self.seen: set[tuple[int, float]] = set()
+        self.since = 0.0  # count only processes started after this (epoch seconds): not the session's own
         self.active = threading.Event()
         self.lock = threading.Lock()
 
@@ -72,7 +73,8 @@ class _Sampler(threading.Thread):
                 kids = []
             for child in kids:
                 try:
-                    if "python" in child.name().lower() or "python" in " ".join(child.cmdline()[:1]).lower():
+                    if child.create_time() >= self.since and ("python" in child.name().lower() or
+                                                              "python" in " ".join(child.cmdline()[:1]).lower()):
                         with self.lock:
                             self.seen.add((child.pid, child.create_time()))
                 except psutil.Error:
@@ -90,12 +92,17 @@ class KindProfile:
 
     def __init__(self, path: Path):
         self.path, self.started = path, time.monotonic()
-        self.sampler = _Sampler()
+        self.sampler, self.failed = _Sampler(), set()
         self.sampler.start()
+
+    def pytest_runtest_logreport(self, report):
+        if report.failed:
+            self.failed.add(report.nodeid)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
         self.sampler.take()
+        self.sampler.since = time.time() - 0.05
         self.sampler.active.set()
         start, cpu0 = time.monotonic(), _cpu()
         yield
@@ -104,7 +111,7 @@ class KindProfile:
         row = {"nodeid": item.nodeid, "slow": item.get_closest_marker("slow") is not None,
                "wall": round(time.monotonic() - start, 3), "cpu_self": round(cpu1[0] - cpu0[0], 3),
                "cpu_children": round(cpu1[1] - cpu0[1], 3), "procs": self.sampler.take(),
-               "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
+               "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "failed": item.nodeid in self.failed}
         with open(self.path, "a") as fh:  # one write of one line: workers' lines never interleave
             fh.write(json.dumps(row) + "\n")
 

@@ -43,8 +43,8 @@ def file_groups(test_files: list[Path]) -> dict[str, str]:
 
 
 def schedule(config, items: list) -> None:
-    """Group and order `items` for pytest-xdist; nothing happens without `-n`."""
-    if not getattr(config.option, "numprocesses", None):
+    """Group and order `items` in each pytest-xdist worker (the workers collect; without `-n` nothing happens)."""
+    if not hasattr(config, "workerinput"):
         return
     files = sorted({Path(str(item.fspath)) for item in items if Path(str(item.fspath)).name.startswith("test_")})
     groups = file_groups(files)
