@@ -6,6 +6,7 @@
 - A notebook execution is a unit of its own, so two workers run different notebooks side by side.
 - Units go out heaviest first (longest-processing-time first: no worker is left with one long unit
   while the other idles at the end); with `--no-loadscope-reorder` xdist keeps this order.
+tests/conftest.py hands `make_scheduler` to xdist (`pytest_xdist_make_scheduler`) and calls `schedule`.
 Weights are rough CPU costs (a notebook run ~ 100, a test marked slow ~ 15, any other ~ 0.3), enough to
 order units; tests/_profile.py measures the real ones.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 
 NOTEBOOK_RUN = "test_notebook_runs_in_smoke_profile"
 WEIGHTS = {"notebook": 100.0, "slow": 15.0, "other": 0.3}
@@ -42,26 +42,37 @@ def file_groups(test_files: list[Path]) -> dict[str, str]:
     return {name: find(name) for name in parent}
 
 
+def unit_of(nodeid: str, groups: dict[str, str]) -> str:
+    """The unit of work a test belongs to: its notebook run, else its file's group."""
+    if NOTEBOOK_RUN in nodeid:
+        return nodeid
+    file = nodeid.split("::", 1)[0]
+    return groups.get(Path(file).stem, file)
+
+
+def make_scheduler(config, log):
+    """pytest-xdist's scheduler for `--dist loadgroup`, with our units (xdist's own xdist_group marks do
+    not reach the controller under pytest 9: it renames `item._nodeid`, which pytest 9 no longer reads)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    groups = file_groups(sorted(Path(__file__).resolve().parent.glob("test_*.py")))
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid, groups)
+
+    return UnitScheduling(config, log)
+
+
 def schedule(config, items: list) -> None:
-    """Group and order `items` in each pytest-xdist worker (the workers collect; without `-n` nothing happens)."""
+    """In each pytest-xdist worker (the workers collect), order `items` heaviest unit first."""
     if not hasattr(config, "workerinput"):
         return
-    files = sorted({Path(str(item.fspath)) for item in items if Path(str(item.fspath)).name.startswith("test_")})
-    groups = file_groups(files)
+    groups = file_groups(sorted({Path(str(i.fspath)) for i in items if Path(str(i.fspath)).name.startswith("test_")}))
     units: dict[str, float] = {}
     for item in items:
-        stem = Path(str(item.fspath)).stem
-        if NOTEBOOK_RUN in item.nodeid or item.get_closest_marker("xdist_group") or stem not in groups:
-            unit = item.nodeid
-        else:
-            unit = groups[stem]
-            item.add_marker(pytest.mark.xdist_group(unit))
-        item.stash[_UNIT] = unit
-        units[unit] = units.get(unit, 0.0) + weight(item)
-    items.sort(key=lambda item: -units[item.stash[_UNIT]])  # stable: a unit's tests keep their order
-
-
-_UNIT = pytest.StashKey[str]()
+        units[unit_of(item.nodeid, groups)] = units.get(unit_of(item.nodeid, groups), 0.0) + weight(item)
+    items.sort(key=lambda item: -units[unit_of(item.nodeid, groups)])  # stable: a unit keeps its order
 
 
 def narrow_to_notebooks(config, items: list, root: Path) -> None:

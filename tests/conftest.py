@@ -38,6 +38,16 @@ def pytest_configure(config):
         config.pluginmanager.register(KindProfile(Path(path).resolve()), "labkit-kind-profile")
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test`'s units of work (tests/_schedule.py) for `--dist loadgroup`; xdist's own otherwise."""
+    if config.getvalue("dist") == "loadgroup":
+        from _schedule import make_scheduler
+
+        return make_scheduler(config, log)
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     from _schedule import narrow_to_notebooks, schedule
 
