@@ -16,6 +16,7 @@ passing any further arguments through.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -92,12 +93,18 @@ def _notebook_source(path: Path) -> str:
     return "\n".join(lines)
 
 
-def importers(changed_modules: set[str]) -> set[str]:
-    """`changed_modules` and every labkit module that imports one of them, at any depth."""
+@functools.lru_cache(maxsize=1)
+def _graph() -> dict[str, set[str]]:
     graph = {name: imports_of(path.read_text(), str(path)) for name, path in MODULES.items()}
     for name, path in MODULES.items():  # a registry that imports f"labkit.pkg.{name}" reaches all of pkg
         if f'f"{name}.{{' in path.read_text():
             graph[name] |= {m for m in MODULES if m.rpartition(".")[0] == name}
+    return graph
+
+
+def importers(changed_modules: set[str]) -> set[str]:
+    """`changed_modules` and every labkit module that imports one of them, at any depth."""
+    graph = _graph()
     found, grew = set(changed_modules), True
     while grew:
         grew = False
