@@ -23,6 +23,20 @@ def run_main(argv, capsys):
 
 
 # ------------------------------------------------------------------ training behaviour
+def test_threads_reach_every_rank_of_a_launch(monkeypatch, tmp_path):
+    # --threads N is each launched rank's OMP_NUM_THREADS (labkit.launch._child_env); without it, the
+    # strategy's default (labkit.launch.cpu_threads). The launch itself is replaced: only the count is checked.
+    from labkit import rank_pool
+    from labkit.train import api
+
+    seen = []
+    monkeypatch.setattr(rank_pool, "run", lambda *a, **kw: seen.append(kw["threads"]))
+    monkeypatch.setattr(api, "record_of", lambda *a: None)
+    for threads in (3, None):
+        run("ddp", "tiny-llama", nproc=2, threads=threads, out=str(tmp_path), progress=False)
+    assert seen == [3, 1]
+
+
 def test_tiny_resnet_losses_fall(tmp_path):
     threads = torch.get_num_threads()
     record = run("single", "tiny-resnet", steps=8, out=str(tmp_path), progress=False, threads=1)
