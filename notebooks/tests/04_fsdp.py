@@ -66,7 +66,9 @@ def _shard_harness(rank, world, shard_model):
     seen = {}
 
     def probe(name):
-        return lambda module, args, output: seen.setdefault(name, str(module.weight.dtype).removeprefix("torch."))
+        def hook(module, args, output):  # returns None: a forward hook's return value would replace the output
+            seen.setdefault(name, str(module.weight.dtype).removeprefix("torch."))
+        return hook
 
     for i, block in enumerate(model.model.layers):
         block.self_attn.q_proj.register_forward_hook(probe(f"model.layers.{i}.self_attn.q_proj"))
