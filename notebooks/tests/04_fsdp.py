@@ -66,20 +66,27 @@ def _shard_harness(rank, world, shard_model):
     seen = {}
 
     def probe(name):
-        def hook(module, args, output):  # returns None: a forward hook's return value would replace the output
+        # A PRE-hook (before the matmul: a unit left in fp32 beside bf16 inputs crashes in it) returning None
+        # (a hook's return value would replace the module's input).
+        def hook(module, args):
             seen.setdefault(name, str(module.weight.dtype).removeprefix("torch."))
         return hook
 
     for i, block in enumerate(model.model.layers):
-        block.self_attn.q_proj.register_forward_hook(probe(f"model.layers.{i}.self_attn.q_proj"))
-    model.lm_head.register_forward_hook(probe("lm_head"))
-    _loss(model, _tokens(rank)).backward()
-    out.update(compute=seen, masters=sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()}))
+        block.self_attn.q_proj.register_forward_pre_hook(probe(f"model.layers.{i}.self_attn.q_proj"))
+    model.lm_head.register_forward_pre_hook(probe("lm_head"))
+    try:
+        _loss(model, _tokens(rank)).backward()
+        error = ""
+    except RuntimeError as exc:  # e.g. "expected m1 and m2 to have the same dtype": units with different policies
+        error = str(exc).splitlines()[0][:200]
+    out.update(compute=seen, masters=sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()}),
+               bf16_error=error)
     return out
 
 
 SHARDED = {"grads": {str: Tensor("float32")}, "not_dtensor": [str], "not_sharded": [str], "units": {str: bool},
-           "compute": {str: str}, "masters": [str]}
+           "compute": {str: str}, "masters": [str], "bf16_error": str}
 
 
 def _sharded(student):
@@ -123,6 +130,8 @@ def every_unit_computes_in_the_policys_dtype(student):
                             "pass mp_policy=mp_policy to the fully_shard of every block")
         assert not wrong, (f"rank {rank} of 2, bf16 policy: lm_head ran with {wrong.get('lm_head')} weights: pass "
                            "mp_policy=mp_policy to the root's fully_shard too (it owns the embedding and LM head)")
+        assert not out["bf16_error"], (f"rank {rank} of 2, bf16 policy: the forward failed ({out['bf16_error']}): "
+                                       "pass mp_policy=mp_policy to the fully_shard of every block and of the root")
 
 
 # ---------------------------------------------------------------- zero1_step
