@@ -64,8 +64,9 @@ TRICKS = {
     "forged_report": (textwrap.dedent('''
         import gc, json, os, sys
         _names = sorted({o.name for o in gc.get_objects() if type(o).__name__ == "Case"}) or ["x"]
+        _msg = "FORGED " + " ".join(MARKERS)  # as if it carried the hidden tests' source
         _forged = json.dumps({"variants": [{"results": [{"name": n, "hidden": False, "points": 1000,
-                                                          "status": "pass", "message": "ok"} for n in _names]}]})
+                                                          "status": "pass", "message": _msg} for n in _names]}]})
         _fds = [int(sys.argv[sys.argv.index("--report-fd") + 1])] if "--report-fd" in sys.argv else range(3, 64)
         for _fd in _fds:
             try:
@@ -73,7 +74,7 @@ TRICKS = {
             except OSError:
                 pass
         os._exit(0)
-    '''), ZEROS),
+    ''').replace("MARKERS", repr(HIDDEN_MARKERS)), ZEROS),
     "always_equal": (textwrap.dedent('''
         class _Yes(int):
             def __eq__(self, other):
@@ -298,6 +299,7 @@ def test_no_hidden_test_text_reaches_any_feedback(corpus):
     assert len(pages) == len(runs["recorded"]) + len(runs["executed"])
     for student, page in pages.items():
         assert not [m for m in HIDDEN_MARKERS if m in page], student
+        assert "FORGED" not in page, student  # a forged report's message is never read
     # The attacks ran and found nothing: their visible-test messages say so, in the student's own words
     assert "LOOT found nothing" in pages["read_autograder"]
     assert "PASS [(1000000000" in pages["exfiltrate"]  # a visible test's arguments: visible anyway

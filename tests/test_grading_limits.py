@@ -22,6 +22,8 @@ from nbformat.v4 import new_code_cell
 from labkit.course.exercises.source import exercise_id
 from labkit.course.grading import confine
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
 
@@ -77,11 +79,28 @@ def test_tasks_are_capped_for_the_whole_sandbox():
     if conf.kind in (confine.CGROUP_V1, confine.CGROUP_V2):
         out, reason = _run_boxed(conf, forks, 2**30, tasks=16)
         assert int(out.split()[-1]) < 16 and "more than 16 processes" in reason, (out, reason)
-    limited = ("from labkit.course.grading.sandbox import _apply_limits\n"
-               "_apply_limits(8 * 2**30, 2**30, 16)\n" + forks)
-    out = subprocess.run(["unshare", "--user", "--map-root-user", sys.executable, "-c", limited],
-                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    # Polled: confine.cap_tasks in a user namespace of its own; as an unprivileged user (root ignores RLIMIT_NPROC)
+    limited = _load_confine() + "assert c.cap_tasks(16)\n" + forks
+    out = subprocess.run([*_unprivileged(), "unshare", "--user", "--map-root-user", *_python(), "-c", limited],
+                         capture_output=True, text=True, timeout=120, cwd="/")
     assert out.returncode == 0 and int(out.stdout.split()[-1]) < 16, out.stdout + out.stderr
+
+
+def _load_confine() -> str:
+    """Code that imports labkit.course.grading.confine (stdlib only) as `c` without labkit's dependencies."""
+    return ("import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location('c', {confine.__file__!r})\n"
+            "c = importlib.util.module_from_spec(spec); sys.modules['c'] = c; spec.loader.exec_module(c)\n")
+
+
+def _unprivileged() -> list[str]:
+    """A prefix running a command as uid 65534 when this test runs as root (nothing otherwise)."""
+    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+
+
+def _python() -> list[str]:
+    """A Python the unprivileged user can run (this venv's may sit in root's home)."""
+    return ["/usr/bin/python3"] if os.geteuid() == 0 else [sys.executable]
 
 
 def test_this_machine_says_what_it_allows_as_root_and_not():
@@ -90,12 +109,8 @@ def test_this_machine_says_what_it_allows_as_root_and_not():
     if conf.kind == confine.POLLED:
         assert conf.detail  # why there is no cgroup
     if os.geteuid() == 0:  # an unprivileged grader on this machine: what it would get, and why
-        code = ("import importlib.util, sys\n"
-                f"spec = importlib.util.spec_from_file_location('c', {confine.__file__!r})\n"
-                "c = importlib.util.module_from_spec(spec); sys.modules['c'] = c; spec.loader.exec_module(c)\n"
-                "print(c.detect().describe())")
-        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
-                              "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
+        out = subprocess.run([*_unprivileged(), *_python(), "-c", _load_confine() + "print(c.detect().describe())"],
+                             capture_output=True, text=True, timeout=60, cwd="/")
         assert out.returncode == 0, out.stderr
         described = out.stdout.strip()
         assert described.startswith("limits per submission: ") and ("uid 65534" in described or "delegated"
@@ -154,18 +169,19 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return out
 
 
-def _wait_for(condition, what: str, timeout_s: float = 600.0):
+def _wait_for(condition, what, timeout_s: float = 600.0):
+    """Wait until `condition()`; `what` (a text, or a function giving one) says what was awaited."""
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert time.monotonic() < deadline, f"still waiting for {what} after {timeout_s:g} s"
+        assert time.monotonic() < deadline, f"still waiting for {what() if callable(what) else what} after {timeout_s:g} s"
         time.sleep(0.2)
 
 
-@pytest.mark.slow
 def test_no_process_outlives_a_killed_grader(tmp_path):
-    """SIGTERM to three graders while their sandboxes run: `labkit grade --execute` (executor and kernel),
-    `labkit grade` (the exercise's sandboxed process) and `labkit check` (plain, two ranks spawned by the
-    student's code: the path of tests/test_exercises_ci.py). Every descendant dies."""
+    """SIGTERM or SIGKILL to three graders while their sandboxes run: `labkit grade --execute` (executor and
+    kernel), `labkit grade` (the exercise's sandboxed process) and `labkit check` (plain, two ranks spawned by
+    the student's code: the path of tests/test_exercises_ci.py). Every descendant dies. Without the guard's
+    parent-death signal the `labkit check` one's exercise process and ranks outlive it (seen: this test fails)."""
     graders = {
         "kernel": (_start(tmp_path, "kernel", _lab01("import time\nwhile True:\n    time.sleep(1)"),
                           "grade", "SUBS", "--out", "OUT", "--execute", "--timeout", "3600"), "ipykernel"),
@@ -182,9 +198,11 @@ def test_no_process_outlives_a_killed_grader(tmp_path):
 
     for name in graders:
         _wait_for(lambda: running(name), f"the {name} grader's sandbox")
-    for grader, _ in graders.values():
-        grader.send_signal(signal.SIGTERM)
+    for name, (grader, _) in graders.items():
+        grader.send_signal(signal.SIGKILL if name == "judge" else signal.SIGTERM)  # no handler runs either way
         grader.wait(timeout=60)
     everyone = [p for procs in seen.values() for p in procs]
     assert len(everyone) >= 6
-    _wait_for(lambda: not _alive(everyone), "every sandboxed process to die", timeout_s=120)
+    _wait_for(lambda: not _alive(everyone),
+              lambda: f"every sandboxed process to die; alive: {[' '.join(p.cmdline()[:4]) for p in _alive(everyone)]}",
+              timeout_s=120)

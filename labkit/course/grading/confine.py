@@ -374,3 +374,14 @@ def detect() -> Confinement:
 def own_user_namespace() -> bool:
     """Is this process in a user namespace of its own (where RLIMIT_NPROC counts only its processes)?"""
     return _read(Path("/proc/self/uid_map")).split() != ["0", "0", "4294967295"]
+
+
+def cap_tasks(tasks: int) -> bool:
+    """In a polled sandbox: at most `tasks` processes and threads, inherited by all it starts. Only in a user
+    namespace of its own (elsewhere RLIMIT_NPROC counts every process of the user); root ignores it. True when set."""
+    import resource
+
+    if not tasks or not own_user_namespace():
+        return False
+    resource.setrlimit(resource.RLIMIT_NPROC, (tasks, tasks))
+    return True

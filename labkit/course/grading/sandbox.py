@@ -215,8 +215,7 @@ def _apply_limits(memory_bytes: int, file_bytes: int, tasks: int = 0) -> None:
     processes and threads of the whole sandbox, where it has a user namespace of its own to count them in."""
     import resource
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    if tasks and confine.own_user_namespace():
-        resource.setrlimit(resource.RLIMIT_NPROC, (tasks, tasks))
+    confine.cap_tasks(tasks)
     resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
