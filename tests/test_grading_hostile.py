@@ -9,8 +9,9 @@ INSIDE the source tree (`build/`, git-ignored), as the docs once suggested:
   __le__ / __ge__ always say True, reading the calling test's locals -- plus code that tries to leak the
   hidden tests (their arguments through its exceptions and output, their files from the release and the
   tree), messages no file can hold (lone surrogates, NUL, megabytes), an answer above the output cap;
-- executed (--execute): the unmodified solution notebook (full marks), the four tricks again, a notebook
-  that looks for the autograder's files, one that floods the executor's report;
+- executed (--execute): the unmodified solution notebook (full marks), the four tricks together in one
+  notebook (they run in its kernel too), a notebook that looks for the autograder's files, one that floods
+  the executor's report;
 - memory (--execute --memory-gib 1): a notebook cell and an exercise that start five 300 MiB children.
 
 Submissions hold only the parameters cell and the exercise cells (with their `ex.check` cells) unless the
@@ -127,6 +128,17 @@ def _trick(name: str) -> dict[str, str]:
     return {ex: f"# EXERCISE {ex}: attacked\n{prelude}\n" + WRONG[ex].format(result=results[ex]) for ex in EXERCISES}
 
 
+def _all_tricks():
+    """One executed submission with the four tricks (one execution, not four): the runner replaced in its
+    kernel, each exercise wrong and attacked (always-equal objects; the calling test's locals), and a last
+    cell that forges a report on every descriptor of the kernel and exits."""
+    cells = {"model_state_bytes": _trick("always_equal")["model_state_bytes"],
+             "measure_state_bytes": _trick("read_test_locals")["measure_state_bytes"]}
+    nb = _submission(cells, TRICKS["replace_runner"][0])
+    nb.cells.append(new_code_cell(TRICKS["forged_report"][0]))
+    return nb
+
+
 def _loot(release: Path) -> str:
     """Code that looks for the autograder's files where an instructor would have put them; LOOT <what it read>."""
     where = [str(release / "autograder" / "**" / "*.py"), str(ROOT / "notebooks" / "tests" / "hidden" / "*.py"),
@@ -145,13 +157,17 @@ def _loot(release: Path) -> str:
     ''')
 
 
-#: Five children of 300 MiB each, held together for a few seconds: "held at once: N of 5".
+#: Five children of 300 MiB each, held together for a few seconds: "held at once: N of 5". Once per process
+#: (every test calls the exercise: forking five children per call would cost more than the rest of the corpus).
 HOG = textwrap.dedent('''
     import subprocess, sys
+    _held = []
     def _hog():
-        child = "import time; b = b'\\\\x01' * (300 * 2**20); time.sleep(4)"
-        procs = [subprocess.Popen([sys.executable, "-c", child]) for _ in range(5)]
-        return f"held at once: {sum(p.wait() == 0 for p in procs)} of 5"
+        if not _held:
+            child = "import time; b = b'\\\\x01' * (300 * 2**20); time.sleep(4)"
+            procs = [subprocess.Popen([sys.executable, "-c", child]) for _ in range(5)]
+            _held.append(f"held at once: {sum(p.wait() == 0 for p in procs)} of 5")
+        return _held[0]
 ''')
 
 LEAKS = {
@@ -231,7 +247,7 @@ def corpus(tmp_path_factory):
         _write(root / "subs", "honest", _submission(_source_cells()))
         for name in TRICKS:
             _write(root / "subs", name, _submission(_trick(name)))
-            _write(root / "subs-exec", name, _submission(_trick(name)))
+        _write(root / "subs-exec", "all_tricks", _all_tricks())
         for name in (*LEAKS, "read_autograder"):
             _write(root / "subs", name, _submission(_cells(name, release)))
         _write(root / "subs-exec", "honest_full", nbformat.read(ROOT / "notebooks" / f"{NOTEBOOK}.ipynb", 4))
@@ -269,9 +285,9 @@ def test_each_trick_scores_zero_with_and_without_execute_and_honest_work_full_ma
     root, release, runs = corpus
     recorded, executed = runs["recorded"], runs["executed"]
     assert _code_scores(recorded["honest"]) == {"model_state_bytes": "12/12", "measure_state_bytes": "6/6"}
-    for rows in (recorded, executed):
-        for name in TRICKS:
-            assert _code_scores(rows[name]) == {"model_state_bytes": "0/12", "measure_state_bytes": "0/6"}, rows[name]
+    for name in (*TRICKS, "all_tricks"):
+        row = recorded.get(name) or executed[name]
+        assert _code_scores(row) == {"model_state_bytes": "0/12", "measure_state_bytes": "0/6"}, row
     for name in (*LEAKS, "read_autograder"):
         assert _code_scores(recorded[name]) == {"model_state_bytes": "0/12", "measure_state_bytes": "0/6"}
     # The unmodified solution notebook, re-executed in the sandbox: its ex.check cells leave the tests to the
