@@ -1,7 +1,8 @@
 """`labkit grade SUBMISSIONS_DIR --out OUT_DIR`: grade a class's executed notebooks (docs/grading.md).
 
-Writes OUT_DIR/grades.csv (one row per submission), summary.csv, canvas.csv, gradescope/<notebook>.csv and
-feedback/<student>.html; exit code 0 whenever the gradebook was written, whatever the submissions held.
+Writes OUT_DIR/grades.csv (one row per submission), summary.csv, canvas.csv, gradescope/<notebook>.csv,
+review.csv (copies to look at) and feedback/<student>.html; exit code 0 whenever the gradebook (grades.csv)
+was written, whatever the submissions held: a file or page that could not be written is a warning line.
 Code exercises: each exercise cell's function runs against the visible and hidden tests (--autograder) in
 the same sandbox, one process per exercise, partial credit per test. With --execute or code tests it first
 prints the isolation in use, and refuses (exit 2) where there is none unless --unsafe-no-isolation is given.
@@ -64,5 +65,10 @@ def command(submissions_dir, out_dir, notebook, execute, profile, timeout, worke
     result = run_batch(submissions_dir, out_dir, opts, progress=_progress)
     click.echo(format_table(result.summary))
     click.echo(f"wrote {result.out_dir / 'grades.csv'} ({len(result.rows)} rows), summary.csv, canvas.csv, "
-               f"received.csv, gradescope/, feedback/")
+               f"received.csv, review.csv, gradescope/, feedback/")
+    for pair in result.pairs:
+        click.echo(f"review: {pair.student} and {pair.other} ({pair.notebook}): {pair.runs} recorded run(s) identical"
+                   f"{' (the same seals)' if pair.same_seals else ' under other seals'}")
+    for problem in result.problems:  # the gradebook is written: say what is missing, still exit 0
+        click.echo(f"warning: {problem}")
     return 0
