@@ -344,11 +344,14 @@ def maxima(rows: list[Grade], opts: GradeOptions) -> dict[str, float]:
 
 
 def run_batch(submissions_dir: str | Path, out_dir: str | Path, opts: GradeOptions = GradeOptions(),
-              progress: Callable[[Grade], None] | None = None) -> BatchResult:
-    """Grade every submission and write grades.csv, summary.csv, canvas.csv, received.csv, review.csv,
-    gradescope/, feedback/ (and with --execute executed/ and logs/). Only grades.csv failing raises."""
+              progress: Callable[[Grade], None] | None = None,
+              select: Callable[[list[Submission]], list[Submission]] | None = None) -> BatchResult:
+    """Grade every submission (or those `select` keeps: a shard, labkit.course.grading.shards) and write
+    grades.csv, summary.csv, canvas.csv, received.csv, review.csv, gradescope/, feedback/ (and with --execute
+    executed/ and logs/). Only grades.csv failing raises."""
     out_dir = Path(out_dir)
     subs = find_submissions(submissions_dir, opts.notebook)
+    subs = select(subs) if select is not None else subs
     out_dir.mkdir(parents=True, exist_ok=True)
     hidden = (Path(submissions_dir), out_dir)
     rows = _grade_copies(subs, opts, out_dir, hidden, progress)
