@@ -161,6 +161,7 @@ def execute(src: str | os.PathLike, dst: str | os.PathLike, *, workdir: str | os
     dst.parent.mkdir(parents=True, exist_ok=True)
     # Under bubblewrap a fresh tmpfs covers `workdir`, hiding the report and log kept there.
     scratch = workdir if iso.level == iso_mod.BUBBLEWRAP else workdir / "scratch"
+    scratch.mkdir(exist_ok=True)  # the mount-namespace level mounts its new root over it
     view = View(scratch, limits.scratch_bytes, private=tuple(private) + (src.parent,),
                 shown=iso_mod.runtime_paths(kernel), network=limits.network)
     report_path, log_path = workdir / "report", workdir / "executor.log"
