@@ -150,11 +150,15 @@ def _documented(config: dict) -> dict:
 
 def _train_rank(rank, world, config):
     """REFERENCE ranks (never load student code): deepspeed.initialize on a small MLP with the student's
-    config (plain data), two steps; the optimizer DeepSpeed built and the losses."""
+    config (plain data), two steps; the optimizer DeepSpeed built and the losses. DeepSpeed's log lines and
+    warnings go to /dev/null: they are not the student's business (an error still comes back, by file)."""
     import os
     from pathlib import Path
 
     import labkit
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 1)
+    os.dup2(quiet, 2)
     os.environ["DS_ACCELERATOR"] = "cpu"  # before deepspeed is imported
     os.environ.setdefault("TORCH_EXTENSIONS_DIR",
                           str(Path(labkit.__file__).resolve().parents[1] / "build" / "torch_extensions"))
