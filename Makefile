@@ -20,7 +20,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(BUILD)/torch_extensions
 export MPLBACKEND := Agg
 PYTEST_ARGS ?=
 
-.PHONY: lab test smoke venv lock kernel clean-notebooks clean bench slides chromium bubblewrap
+.PHONY: lab test test-fast test-changed test-profile smoke venv lock kernel clean-notebooks clean bench slides chromium bubblewrap
 
 $(BIN)/.installed: pyproject.toml $(LOCK)
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 1; }
@@ -53,9 +53,27 @@ LAB_ARGS ?=
 lab: venv
 	$(BIN)/jupyter lab --notebook-dir=notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_ARGS)
 
+# The whole suite on 2 pytest-xdist workers; tests/_schedule.py groups each file (and files sharing a fixture)
+# and sends the heaviest first. PYTEST_ARGS="-n 0" runs it in one process. docs/DEVELOPING.md, "The suite".
+XDIST ?= -n 2 --dist loadgroup --no-loadscope-reorder
 test: venv chromium bubblewrap
 	mkdir -p $(BUILD)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+
+# The inner loop (under 3 minutes): no notebook execution, no multi-process job (tests not marked slow).
+test-fast: venv
+	$(BIN)/python -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
+
+# The tests that import what the working tree changed since BASE (HEAD: uncommitted work; BASE=main: a branch).
+BASE ?= HEAD
+test-changed: venv
+	$(BIN)/python tests/_changed.py --base $(BASE) -- $(XDIST) $(PYTEST_ARGS)
+
+# The whole suite with the time by kind (tests/_profile.py) printed at the end and kept in build/test-profile.jsonl.
+test-profile: venv chromium bubblewrap
+	mkdir -p $(BUILD)
+	rm -f $(BUILD)/test-profile.jsonl
+	$(BIN)/python -m pytest $(XDIST) --kind-profile $(BUILD)/test-profile.jsonl $(PYTEST_ARGS)
 
 smoke: venv
 	$(BIN)/labkit notebooks run --profile smoke --out $(BUILD)/executed

@@ -92,6 +92,7 @@ def graded(tmp_path_factory):
     registry.unregister(NB)
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_every_exercise_gets_its_own_score_and_reason(graded):
     root, rows = graded
     assert {s: (r.status, r.score, r.max_score) for s, r in rows.items()} == {
@@ -107,6 +108,7 @@ def test_every_exercise_gets_its_own_score_and_reason(graded):
         assert len(list(csv.DictReader(fh))) == len(SUBMISSIONS)
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_feedback_names_a_failed_hidden_test_but_never_its_message_or_inputs(graded):
     root, rows = graded
     page = (root / "out" / "feedback" / "partial.html").read_text()
@@ -117,6 +119,7 @@ def test_feedback_names_a_failed_hidden_test_but_never_its_message_or_inputs(gra
     assert not hidden.passed and not hidden.visible
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_check_lists_what_to_do_and_exits_1_then_0_when_done(tmp_path):
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / f"{NB}.py").write_text(VISIBLE)
@@ -160,6 +163,7 @@ def three_ranks(student):
 '''
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_multi_rank_code_runs_inside_the_grading_sandbox_beside_a_trusted_reference():
     """The student's gloo ranks rendezvous on the sandbox's loopback (own network namespace) under its memory
     cap; the reference ranks run outside it and never load the student's cell. A wrong average (no division:

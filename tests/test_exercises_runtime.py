@@ -68,6 +68,7 @@ def test_case_rejects_a_bad_id_and_points():
         ex.case("square", points=0)
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_check_finds_the_visible_tests_and_says_what_the_hidden_ones_vary(tests_dir, capsys):
     """One spawn in the right answer's run (the student's ranks) and one trusted reference spawn."""
     def square(x):
@@ -164,6 +165,7 @@ def _rank_hangs(rank, world):
         time.sleep(3600)  # ...and never exits either (an exiting peer would make gloo raise on rank 0 instead)
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_spawn_names_the_failing_rank_and_its_error_and_leaves_no_process():
     with pytest.raises(ex.ExerciseError, match=r"rank 1 raised ValueError: rank one is wrong") as info:
         ex.spawn(_rank_fails, world=2, timeout=60)
@@ -172,18 +174,21 @@ def test_spawn_names_the_failing_rank_and_its_error_and_leaves_no_process():
     assert live_children() == []
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_spawn_marks_a_stub_in_a_rank_as_not_attempted(capsys):
     assert ex.attempt(ex.spawn, _rank_stub, world=2, timeout=60) is None
     assert re.search(r"not attempted yet: rank [01] raised NotImplementedError: exercise f: write it",
                      capsys.readouterr().out)
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_spawn_kills_a_hung_run_at_the_timeout():
     with pytest.raises(ex.ExerciseError, match=r"still running after 4 s and was killed"):
         ex.spawn(_rank_hangs, world=2, timeout=4)
     assert live_children() == []
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_spawn_starts_again_on_a_new_port_when_its_port_was_taken(monkeypatch):
     """free_port() can lose its port to another job before rank 0 binds it: spawn tries a new one."""
     import socket

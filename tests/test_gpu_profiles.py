@@ -147,6 +147,7 @@ def test_gpu_profile_without_gpus_is_one_line_and_exit_2(argv, capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 @pytest.mark.skipif(envinfo.torch_facts().get("devices"), reason="this machine has GPUs")
 def test_gpu_profile_without_gpus_in_a_notebook_is_one_line(tmp_path):
     nb = nbk.build_notebook("GPU lab", ["from labkit.envinfo import require\nrequire(PROFILE)"])

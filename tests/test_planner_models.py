@@ -118,7 +118,7 @@ def test_new_gpus_and_fp8(gpu, peak, capsys):
     assert data["assumption"]["peak_tflops"] == peak and data["assumption"]["inter_node_gbps"] == 400
     code, out, err = _run(["plan", "--model", "llama3-8b", "--gpus", "8", "--gpus-per-node", "8", "--gpu", gpu,
                            "--batch", "16", "--seq", "4096", "--precision", "fp8", "--top", "1"], capsys)
-    assert code == 0 and "assumes fp8 matmuls" in out and "assumption" in out
+    assert code == 0 and "assumes fp8 matmuls" in out and "MAMF fp8 / bf16" in out  # derived, and says how
     code, _, err = _run(["plan", "--model", "llama3-8b", "--gpus", "8", "--gpus-per-node", "8", "--precision", "fp8"],
                         capsys)
     assert code == 2 and "no FP8 tensor cores" in err

@@ -1,8 +1,10 @@
 """Fit the time model's few constants to the calibration rows, and cross-validate them source by source.
 
 Pure Python. The constants (`labkit.parallel.hardware.CONSTANTS`) each have a physical meaning: the share of
-the dense peak an A100 / an H100 reaches on the model's GEMMs, and the share of a link's data-sheet bandwidth
-NCCL reaches. `fit` minimizes the mean squared log error in tokens/s per GPU over the rows marked
+the dense peak an A100 / an H100 reaches on the arithmetic of the model's GEMMs (their HBM traffic is priced
+separately, `labkit.parallel.perf_ops`), the share of NVLink's data-sheet bandwidth NCCL reaches, and the share
+of an overlapped collective that really runs concurrently. Everything else the time model uses is measured
+elsewhere and stated (kernel efficiencies, HBM, the MAMF ceilings), so the fit cannot bend it to a source. `fit` minimizes the mean squared log error in tokens/s per GPU over the rows marked
 `calibration` that count (coordinate descent, golden-section search per constant in [0.3, 1]);
 `leave_one_source_out` refits without each source in turn and predicts that source's rows, calibration and
 held-out alike -- the error a run the model was never fitted on should expect. `bench/planner_heldout.py`

@@ -8,14 +8,17 @@ NDR NIC per GPU). A run on another fabric states its own (`inter_node_gbps`, `la
 
 The time model's constants, each with a physical meaning (`CONSTANTS`, fitted by
 `labkit.parallel.calibration` on the rows of `labkit/data/published_runs.json` marked calibration):
-  matmul efficiency  achieved share of the dense peak on the model's GEMMs, per GPU family;
+  matmul efficiency  share of the dense peak the GEMMs' arithmetic reaches, per GPU family, once the roofline
+                     has charged their HBM traffic (`labkit.parallel.perf_ops`); fitted 0.80 (A100) and 0.82
+                     (H100), beside the best-shape torch.mm ceilings measured independently (MAMF: 0.87, 0.80);
   comm efficiency    achieved NCCL bus bandwidth / NVLink's data-sheet bandwidth, for the TP all-reduces and
                      DP collectives inside a node (the network's, 0.9 of the NICs' line rate as nccl-tests
                      reach on InfiniBand, is a stated assumption: few calibration rows depend on it);
   overlap efficiency share of the shorter of a layer's compute and its data-parallel collectives that really
                      runs concurrently (NCCL's kernels take SMs and HBM bandwidth from the GEMMs).
-Everything else (HBM efficiency, FP8 efficiency, B200/H200/V100 matmul efficiency) is a stated
-assumption, not fitted. A node's own measurement (`labkit preflight`) is used only when the caller
+Everything else is stated, not fitted: HBM efficiency, flash-attention kernel efficiency (FlashAttention-2's
+published curves), FP8 and B200 matmul efficiency (from the MAMF ceilings), V100's (an assumption), the
+power-capped H100's peak (an interpolation). A node's own measurement (`labkit preflight`) is used only when the caller
 passes it (`matmul_efficiency(..., measured=path)`): a measurement written to a shared cache must not
 silently change everybody's plan (issue 25, finding 7).
 Introduced in notebook 07_model_parallel.
@@ -59,13 +62,16 @@ class GpuSpec:
 #: HBM3 3350 GB/s, DGX H100 8 x NDR 400 Gb/s; H200 the H100's compute with 141 GB HBM3e at 4800 GB/s; B200
 #: (HGX/DGX B200) 2250 bf16 / 4500 fp8 dense, 180 GB HBM3e 8000 GB/s, NVLink5 1800 GB/s, 8 x 400 Gb/s;
 #: V100 SXM2 125 fp16, NVLink2 300 GB/s, HBM2 900 GB/s, EDR 100 Gb/s. `h100-96gb`: the H100 SXM with 96 GB
-#: HBM2e at 2.4 TB/s, 500 W, that torchtitan's published benchmarks ran on (its peak is "between SXM and NVL,
-#: and we don't know its exact value": the SXM peak is used, as torchtitan does for its MFU).
+#: HBM2e at 2.4 TB/s run at a 500 W power limit (Meta's Grand Teton), that torchtitan's published benchmarks ran
+#: on. Its peak is "between SXM and NVL, and we don't know its exact value" (torchtitan): a tensor core's peak is
+#: its clock, and the clock a GPU holds is set by its power limit, so we interpolate the data sheets' dense bf16
+#: peaks linearly in board power between the H100 NVL (835 TFLOPS at 400 W) and the H100 SXM (989 at 700 W):
+#: 886 TFLOPS at 500 W (fp8 x2). A stated assumption, not a measurement; its MFU is quoted against 886.
 GPUS = {
     "a100-80gb": GpuSpec(80.0, 312.0, 300.0, 200.0, 2039.0),
     "a100-40gb": GpuSpec(40.0, 312.0, 300.0, 200.0, 1555.0),
     "h100-sxm": GpuSpec(80.0, 989.0, 450.0, 400.0, 3350.0, fp8_tflops=1979.0),
-    "h100-96gb": GpuSpec(96.0, 989.0, 450.0, 400.0, 2400.0, fp8_tflops=1979.0),
+    "h100-96gb": GpuSpec(96.0, 886.0, 450.0, 400.0, 2400.0, fp8_tflops=1772.0),
     "h200": GpuSpec(141.0, 989.0, 450.0, 400.0, 4800.0, fp8_tflops=1979.0),
     "b200": GpuSpec(180.0, 2250.0, 900.0, 400.0, 8000.0, fp8_tflops=4500.0),
     "v100-32gb": GpuSpec(32.0, 125.0, 150.0, 100.0, 900.0),
@@ -103,11 +109,30 @@ MEMORY_EFFICIENCY = 0.8
 #: Bytes the optimizer step reads and writes per parameter it updates (Adam, mixed precision: fp32 master,
 #: m, v and gradient read, three written back, bf16 weight written).
 OPTIMIZER_BYTES = 32
-#: FP8 GEMMs (H100/H200/B200, torchao / Transformer Engine float8 linears): share of the FP8 peak reached.
-#: A STATED ASSUMPTION, not fitted: the only published FP8 rows (torchtitan) ran on power-capped H100s of
-#: unknown peak. 0.5 of 1979 = 990 TFLOPS, 1.4x the bf16 linears at the fitted H100 efficiency; attention,
-#: norms and communication stay bf16, so a step gains less (torchtitan measured 1.28x on Llama 3.1 8B).
-FP8_EFFICIENCY = 0.5
+#: Maximum achievable matmul FLOPS: the best torch.mm rate a brute-force search over shapes finds, as a share of
+#: the dense data-sheet peak (S. Bekman, "Machine Learning Engineering", compute/accelerator/README.md, "Maximum
+#: Achievable Matmul FLOPS comparison table"): A100 SXM 271.2/312 bf16; H100 SXM 794.5/989 bf16 ("H200 is the
+#: same"), 1402.6/1979 fp8; H200 1453.4/1979 fp8; B200 1745.0/2250 bf16, 3432.5/4500 fp8. Used for what no
+#: published row fits: the FP8 GEMMs reach the same share of THEIR ceiling as the bf16 ones
+#: (`default_efficiency`), and a GPU family without rows reaches its ceiling times the fitted families' mean share.
+MAMF = {("a100", "bf16"): 0.869, ("h100", "bf16"): 0.803, ("h100", "fp8"): 0.709, ("h200", "bf16"): 0.803,
+        ("h200", "fp8"): 0.734, ("b200", "bf16"): 0.776, ("b200", "fp8"): 0.763}
+
+
+#: Fused (flash) attention kernels, forward + backward, long-sequence share of the dense bf16 peak
+#: (`labkit.parallel.perf_ops`: eta(s) = eta_inf s / (s + 512)). A100: FlashAttention-2 with a causal mask and
+#: head dimension 128 reaches 99-189 TFLOPS from 512 to 16k tokens (Dao 2023, Fig. 4d), 0.62 x 312 x s/(s+512);
+#: without the mask 203 at most (Fig. 4b). H100/H200: FA2, which PyTorch's SDPA (and so torchtitan) runs there,
+#: reaches "up to 335 TFLOPs/s" forward + backward (Dao 2023, Fig. 7: no mask), x 189/203 for the causal mask:
+#: 0.32 x 989 at long sequences ("35 %" of the peak: Shah et al. 2024, FlashAttention-3, which -- like cuDNN --
+#: would roughly double it: pytorch/pytorch#142132). B200, V100: assumptions (no published row).
+ATTENTION_EFFICIENCY = {"a100": 0.62, "h100": 0.32, "b200": 0.35, "v100": 0.3}
+
+
+def attention_efficiency(gpu: str) -> float:
+    """Long-sequence share of the bf16 peak a flash attention kernel reaches on `gpu` (H200 = H100's dies)."""
+    fam = gpu_family(gpu)
+    return ATTENTION_EFFICIENCY[{"h200": "h100"}.get(fam, fam)]
 
 
 @dataclass(frozen=True)
@@ -121,14 +146,14 @@ class Efficiency:
 #: The fitted constants (`labkit.parallel.calibration.fit` reproduces them from the calibration rows; a test
 #: holds this table to the fit). Physical meaning in the module docstring.
 CONSTANTS = {
-    "matmul_efficiency.a100": 0.736,
-    "matmul_efficiency.h100": 0.661,
-    "comm_efficiency.nvlink": 0.634,
+    "matmul_efficiency.a100": 0.804,
+    "matmul_efficiency.h100": 0.822,
+    "comm_efficiency.nvlink": 0.673,
     "comm_efficiency.network": 0.9,
-    "overlap_efficiency": 0.705,
+    "overlap_efficiency": 0.703,
 }
-#: Assumed where no calibration row exists (stated in every plan's source line).
-ASSUMED_EFFICIENCY = {"v100": 0.75, "b200": 0.6}
+#: Assumed where neither a calibration row nor a MAMF measurement exists (stated in every plan's source line).
+ASSUMED_EFFICIENCY = {"v100": 0.75}
 
 
 def comm_efficiency(link: str = "nvlink") -> float:
@@ -137,25 +162,35 @@ def comm_efficiency(link: str = "nvlink") -> float:
     return CONSTANTS[f"comm_efficiency.{link}"]
 
 
+def _fitted(fam: str) -> float | None:
+    return CONSTANTS.get(f"matmul_efficiency.{ {'h200': 'h100'}.get(fam, fam) }")
+
+
 def default_efficiency(gpu: str, precision: str = "bf16") -> Efficiency:
-    """The planner's matmul efficiency for `gpu`: fitted (A100, H100; H200 shares the H100's compute dies) or a
-    stated assumption (V100, B200); FP8 its own stated assumption."""
+    """The planner's matmul efficiency for `gpu`: fitted (A100, H100; H200 shares the H100's compute dies), or
+    for a family without rows its MAMF ceiling x the fitted families' mean share of theirs (B200), or a stated
+    assumption (V100). FP8: the bf16 value x MAMF fp8 / MAMF bf16 (the same share of a lower ceiling)."""
     fam = gpu_family(gpu)
     if precision not in PRECISIONS:
         raise choices_error("precision", precision, PRECISIONS)
+    if precision == "fp8" and not gpu_spec(gpu).fp8_tflops:
+        raise ConfigError(f"precision fp8 on {gpu}: it has no FP8 tensor cores; use bf16, or an h100-sxm, "
+                          "h200 or b200")
+    fitted = _fitted(fam)
+    if fitted is not None:
+        value, source = fitted, (f"{fam.upper()} efficiency fitted to the calibration rows of "
+                                 "labkit/data/published_runs.json, labkit.parallel.calibration")
+    elif (fam, "bf16") in MAMF:
+        shares = [CONSTANTS[k] / MAMF[(k.split(".")[1], "bf16")] for k in CONSTANTS if k.startswith("matmul_")]
+        value = MAMF[(fam, "bf16")] * sum(shares) / len(shares)
+        source = (f"{fam.upper()} has no published row: its measured matmul ceiling, MAMF {MAMF[(fam, 'bf16')]:.0%} "
+                  "of peak, x the share of theirs the fitted GPUs reach, labkit.parallel.hardware.MAMF")
+    else:
+        value, source = ASSUMED_EFFICIENCY[fam], f"{fam.upper()} {precision} efficiency: an assumption, no published row"
     if precision == "fp8":
-        if not gpu_spec(gpu).fp8_tflops:
-            raise ConfigError(f"precision fp8 on {gpu}: it has no FP8 tensor cores; use bf16, or an h100-sxm, "
-                              "h200 or b200")
-        return Efficiency(FP8_EFFICIENCY, f"FP8 linears at {FP8_EFFICIENCY:.0%} of the FP8 peak: a stated "
-                                          "assumption, no verified FP8 row in the published runs")
-    key = {"h200": "h100"}.get(fam, fam)
-    if f"matmul_efficiency.{key}" in CONSTANTS:
-        return Efficiency(CONSTANTS[f"matmul_efficiency.{key}"],
-                          f"{key.upper()} {precision} efficiency fitted to the calibration rows of "
-                          "labkit/data/published_runs.json (labkit.parallel.calibration)")
-    return Efficiency(ASSUMED_EFFICIENCY[fam], f"{fam.upper()} {precision} efficiency: an assumption, no "
-                                               "published row for this GPU")
+        ratio = MAMF[(fam, "fp8")] / MAMF[(fam, "bf16")]
+        return Efficiency(round(value * ratio, 4), f"FP8 linears: {source}; x {ratio:.2f}, MAMF fp8 / bf16")
+    return Efficiency(value, source)
 
 
 #: Where `labkit preflight` writes the node's measured matmul efficiency (format: `read_perf_file`). The planner

@@ -63,7 +63,7 @@ def link_bandwidth(gpu, group: int, per_node: int, inter_node_gbps: float) -> fl
     return inter_node_gbps / 8 * 1e9 * comm_efficiency("network")
 
 
-def _exposed(comm_s: float, compute_s: float) -> float:
+def exposed_behind(comm_s: float, compute_s: float) -> float:
     """Seconds a collective adds to the compute it overlaps: what sticks out, plus the share of the overlap
     that contention takes back (`overlap_efficiency`)."""
     return max(0.0, comm_s - compute_s) + (1 - hardware.CONSTANTS["overlap_efficiency"]) * min(comm_s, compute_s)
@@ -83,14 +83,14 @@ def dp_time(lay, *, gpu, layers: int, params_on_gpu: float, fwd_s: float, bwd_s:
     f, b = fwd_s / layers, bwd_s / layers
     shard = min(lay.shard_group or d, d) if lay.zero else d
     bw = link_bandwidth(gpu, shard, per_node, inter_node_gbps)
-    gather = comm.bytes_sent("all_gather", layer_bytes, shard) / bw
-    scatter = comm.bytes_sent("reduce_scatter", layer_bytes, shard) / bw
+    grad_bytes = layer_bytes * (2 if lay.reduce_fp32 else 1)  # torchtitan's FSDP reduces gradients in fp32
     ag = comm.bytes_sent("all_gather", layer_bytes, shard)
-    rs = comm.bytes_sent("reduce_scatter", layer_bytes, shard)
+    rs = comm.bytes_sent("reduce_scatter", grad_bytes, shard)
+    gather, scatter = ag / bw, rs / bw
     if lay.zero == 3:
         regather = lay.checkpointing == "full" and not lay.fsdp  # DeepSpeed re-gathers for the recompute
         n_gather = 3 if regather else 2
-        per_mb = layers * (_exposed(gather, f) + _exposed((n_gather - 1) * gather + scatter, b)) + gather
+        per_mb = layers * (exposed_behind(gather, f) + exposed_behind((n_gather - 1) * gather + scatter, b)) + gather
         exposed, seconds = m * per_mb, m * layers * (n_gather * gather + scatter)
         sent = m * layers * (n_gather * ag + rs)
     else:
@@ -99,9 +99,9 @@ def dp_time(lay, *, gpu, layers: int, params_on_gpu: float, fwd_s: float, bwd_s:
     if lay.zero and shard < d:  # HSDP: all-reduce each gradient shard across the d / shard replicas, once
         replicas = d // shard
         cross = link_bandwidth(gpu, replicas, 1, inter_node_gbps)
-        ar = comm.bytes_sent("all_reduce", layer_bytes / shard, replicas)
+        ar = comm.bytes_sent("all_reduce", grad_bytes / shard, replicas)
         seconds += layers * ar / cross
-        exposed += layers * _exposed(ar / cross, b) if lay.dp_overlap else layers * ar / cross
+        exposed += layers * exposed_behind(ar / cross, b) if lay.dp_overlap else layers * ar / cross
         sent += layers * ar
     return DpTime(sent, seconds, exposed)
 
@@ -110,14 +110,14 @@ def _stage012(lay, m: int, layers: int, gather: float, scatter: float, f: float,
     """(exposed, total) seconds of DDP / ZeRO-1 / ZeRO-2 traffic per step."""
     if lay.zero == 0:
         total = layers * 2 * scatter  # all-reduce = reduce-scatter + all-gather
-        return (layers * _exposed(2 * scatter, b) if lay.dp_overlap else total), total
+        return (layers * exposed_behind(2 * scatter, b) if lay.dp_overlap else total), total
     param_gather = layers * gather  # updated parameters, once per step
     if lay.zero == 1:
         total = layers * scatter + param_gather
         if not lay.dp_overlap:
             return total, total
-        return layers * (_exposed(scatter, b) + _exposed(gather, f)) + gather, total
+        return layers * (exposed_behind(scatter, b) + exposed_behind(gather, f)) + gather, total
     total = m * layers * scatter + param_gather  # ZeRO-2: the gradients are reduced every micro-batch
     if not lay.dp_overlap:
         return total, total
-    return m * layers * _exposed(scatter, b) + layers * _exposed(gather, f) + gather, total
+    return m * layers * exposed_behind(scatter, b) + layers * exposed_behind(gather, f) + gather, total

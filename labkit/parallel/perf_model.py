@@ -1,27 +1,29 @@
 """Step time, MFU and HFU of one transformer layout on N GPUs: the planner's time model.
 
-Pure Python, no torch. Per optimizer step, on the slowest pipeline stage (the last one: it also runs
-the LM head), one micro-batch costs
-  matmul      (3 + recompute) x forward GEMM FLOPs / (peak x achievable matmul efficiency); the linears at
-              the FP8 peak when `precision="fp8"`; a causal fused (flash) attention computes half its s^2
-              scores (it skips the masked blocks), the 2021-22 softmax kernels all of them
-  non-matmul  bytes / (HBM bandwidth x MEMORY_EFFICIENCY): norms, softmax, GeLU, dropout, residuals are
-              memory bound; each saved activation (`labkit.memory.activations`) is written once and read
-              once in the forward, twice that in the backward, once more when recomputed
-  TP          all-reduces on NVLink, 2 forward + 2 backward per layer (+ 2 when the whole layer is
-              recomputed), NOT overlapped (Narayanan et al. 2021 Sec. 3.2: on the critical path)
-  PP          one send forward, one backward of b*s*h/t bytes (scatter-gather, Sec. 4.1), over the
-              inter-node link once the pipeline leaves the node
+Pure Python, no torch. Per optimizer step, on the slowest pipeline stage (the last one: it also runs the LM head
+and the loss), one micro-batch costs (`labkit.parallel.perf_ops`, where each mechanism is explained)
+  GEMMs       every linear's forward GEMM and the backward's two, at an additive roofline: FLOPs at the fitted
+              share of the peak + operands and output through HBM (thin GEMMs -- small hidden size, small
+              micro-batch, wide TP -- run slower); FP8 linears on the FP8 tensor cores
+  attention   a fused (flash) kernel at its own measured efficiency (half the scores: causal), or the 2021-22
+              unfused path (QK^T, AV as per-head GEMMs, the s x s scores through HBM)
+  memory-bound the elementwise kernels' bytes / (HBM bandwidth x MEMORY_EFFICIENCY): fused (Megatron, TE,
+              torch.compile) or eager PyTorch (`Layout.eager`), FP8 casts, the loss over the vocabulary
+  recompute   full: the whole forward again; selective 'core': the attention core; 'op': every 2nd matmul
+  TP          all-reduce equivalents on NVLink per layer (2 forward, 2 backward, + what recomputation redoes),
+              exposed (Narayanan et al. 2021 Sec. 3.2) unless overlapped with the GEMMs beside them (AsyncTP)
+  PP          1/tp of the boundary activation per rank, forward and backward per chunk (scatter/gather,
+              Sec. 4.1), over the network once the pipeline leaves the node; DeepSpeed's blocking engine
+              exposes twice as much
 and the step is (m + (p - 1) / v) micro-batch slots (1F1B; interleaved with v chunks per GPU). Data-parallel
 traffic is modelled layer by layer (`labkit.parallel.perf_dp`: DDP, ZeRO-1/2/3, FSDP, HSDP) and only the part
 the neighbouring layers' compute cannot hide is added. Then the optimizer step (memory bound, ~32 B per
 parameter it updates).
 
-FLOPs are counted as the papers count them (Narayanan et al. 2021 Eq. 3; Korthikanti et al. 2022
-Sec. 6): every GEMM of the forward (2 x fan_in x fan_out per token and linear, 4 s h per token for
-QK^T and AV, no causal halving, 2 h V for the logits), x3 for forward + backward. MFU counts only
-those, against the bf16 peak (also for FP8 runs, as Llama 3 and torchtitan report it); HFU adds the
-recomputed forward (full: every layer; selective: the attention core).
+FLOPs are counted as the papers count them (Narayanan et al. 2021 Eq. 3; Korthikanti et al. 2022 Sec. 6;
+`perf_ops.step_flops`): every GEMM of the forward, no causal halving, x3 for forward + backward. MFU counts
+only those, against the bf16 peak (also for FP8 runs, as Llama 3 and torchtitan report it); HFU adds what is
+recomputed.
 
 GPUs, fabrics and the fitted constants: `labkit.parallel.hardware`. Validated against
 `labkit/data/published_runs.json` (`labkit.parallel.published_runs`, `bench/planner_heldout.py`).
@@ -32,13 +34,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from labkit.errors import ConfigError
-from labkit.parallel import comm
+from labkit.errors import ConfigError, choices_error
+from labkit.parallel import comm, perf_ops
 from labkit.parallel.hardware import (ALIASES, GPUS, MEMORY_EFFICIENCY, OPTIMIZER_BYTES, PERF_FILE_ENV,  # noqa: F401
-                                      PERF_FILE_NAME, Efficiency, GpuSpec, comm_efficiency, default_efficiency,
+                                      PERF_FILE_NAME, Efficiency, GpuSpec, attention_efficiency, comm_efficiency,
+                                      default_efficiency,
                                       gpu_family, gpu_spec, matmul_efficiency, read_perf_file,
                                       record_measurement)
-from labkit.parallel.perf_dp import dp_time
+from labkit.parallel.perf_dp import dp_time, exposed_behind
+from labkit.parallel.perf_ops import (attention_flops, layer_forward_flops, linear_flops,  # noqa: F401 (re-exported)
+                                     recompute_flops, step_flops)
+
+
+SELECTIVE = ("core", "op")
+PIPELINE_ENGINES = ("megatron", "deepspeed")
+#: One-way transfer times of a boundary activation on the critical path per micro-batch in DeepSpeed's pipeline
+#: engine (blocking send/recv with both neighbours every step, chained; bench/pipeline_p2p_sim.py replays its
+#: TrainSchedule: 4.0-4.4 for 4-35 stages, 2 for 2).
+DEEPSPEED_P2P_EXPOSED = 4
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,21 @@ class Layout:
     """bf16 (V100: fp16) or fp8 (the linears on FP8 tensor cores)."""
     fused_kernels: bool = True
     """Activations saved as fused kernels save them (Megatron, Meta); False = Hugging Face's eager modules."""
+    eager: bool = False
+    """Elementwise ops run as one eager PyTorch kernel each (no torch.compile, no fused kernels): more HBM traffic."""
+    selective: str = "core"
+    """What checkpointing='selective' recomputes: 'core' = the attention core (Korthikanti et al. 2022; a flash
+    kernel keeps its output, nothing to redo); 'op' = torchtitan's per-op policy, every second matmul and all
+    elementwise ops."""
+    tp_overlap: bool = False
+    """TP collectives split and overlapped with the GEMMs beside them (torchtitan's AsyncTP, Megatron's
+    --tp-comm-overlap): only what the GEMMs cannot hide, and the contention share, stays exposed."""
+    reduce_fp32: bool = False
+    """Data-parallel gradient reductions in fp32 (torchtitan's FSDP default) rather than bf16: twice the bytes."""
+    pipeline_engine: str = "megatron"
+    """Pipeline point-to-point: 'megatron' (send_forward_recv_backward pairs) or 'deepspeed' (blocking
+    rendezvous with both neighbours every step, which chain; Smith et al. 2022's MT-NLG, BLOOM). Both send
+    1/tp of the boundary activation per rank (Megatron's scatter/gather; DeepSpeed's partitioned tensors)."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch", "microbatches", "interleave", "cp", "ep"):
@@ -83,6 +111,9 @@ class Layout:
         if self.interleave > 1 and self.pp == 1:
             raise ConfigError(f"interleave={self.interleave} needs pipeline parallelism (pp > 1): it splits each "
                               "pipeline rank's layers into chunks; use interleave 1")
+        for name, allowed in (("selective", SELECTIVE), ("pipeline_engine", PIPELINE_ENGINES)):
+            if getattr(self, name) not in allowed:
+                raise choices_error(name, getattr(self, name), allowed)
         if self.shard_group and (not self.zero or self.dp % self.shard_group):
             raise ConfigError(f"shard_group={self.shard_group} must divide dp={self.dp} and needs zero >= 1 (HSDP)")
 
@@ -117,65 +148,113 @@ class StepTime:
     """All data-parallel communication time, hidden or not."""
 
 
-def attention_flops(spec, seq: int) -> float:
-    """Forward FLOPs per token of QK^T and AV (no causal halving, as the papers count)."""
-    return 4 * seq * spec.arch["heads"] * spec.arch["head_dim"]
-
-
-def linear_flops(spec) -> float:
-    """Forward FLOPs per token of the layer's linears (MoE: the k experts a token visits + the router)."""
-    gemms = 2 * sum(lin.fan_in * lin.fan_out for lin in spec.linears)
-    if spec.arch.get("experts"):  # each token runs k SwiGLU experts (3 h x inter GEMMs) + the router
-        a = spec.arch
-        gemms += 2 * (a["top_k"] * 3 * a["hidden"] * a["intermediate"] + a["experts"] * a["hidden"])
-    return gemms
-
-
-def layer_forward_flops(spec, seq: int) -> float:
-    """Forward FLOPs of one layer per token: the GEMMs (from the spec's linears) + QK^T and AV."""
-    return linear_flops(spec) + attention_flops(spec, seq)
-
-
-def recompute_flops(spec, seq: int, checkpointing: str, flash: bool = False) -> float:
-    """Forward FLOPs per token and layer that the backward redoes. Selective: the attention core
-    (Korthikanti Sec. 5) with the eager softmax; with flash attention its output is kept and only
-    elementwise work is redone (no matmul FLOPs)."""
-    if checkpointing == "full":
-        return layer_forward_flops(spec, seq)
-    if checkpointing == "selective" and not flash:
-        return attention_flops(spec, seq)
-    return 0.0
-
-
-def step_flops(spec, tokens: int, seq: int, checkpointing: str, flash: bool = False) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of one step of `tokens` tokens."""
-    layers, logits = spec.arch["layers"], 2 * spec.arch["hidden"] * spec.arch["vocab"]
-    model = 3 * tokens * (layers * layer_forward_flops(spec, seq) + logits)
-    return model, model + tokens * layers * recompute_flops(spec, seq, checkpointing, flash)
-
-
-def _nonmatmul_bytes(spec, lay: Layout, seq: int) -> float:
-    """HBM bytes per layer and micro-batch moved by elementwise kernels (forward, backward, recompute)."""
-    from labkit.memory import activations as act
-
-    st = act.Step(micro_batch=lay.micro_batch, seq=seq, act_bytes=2, flash=lay.flash, tp=lay.tp,
-                  sp=lay.sequence_parallel and lay.tp > 1, fused=lay.fused_kernels)
-    layer = (act.gpt_layer if spec.kind == "gpt" else act.llama_layer)(spec.arch, st)
-    saved = layer.stored(st)
-    redo = {"full": saved, "selective": layer.core / lay.tp, "none": 0.0}[lay.checkpointing]
-    return 2 * saved + 4 * saved + 2 * redo  # written+read forward, twice in backward, recompute
-
-
-def _rates(gpu: str, lay: Layout, efficiency: Efficiency) -> tuple[float, float]:
-    """(FLOP/s of the linears, FLOP/s of attention and the LM head)."""
+def _rates(gpu: str, lay: Layout, efficiency: Efficiency) -> perf_ops.Rates:
+    """What one GPU of `gpu` sustains for this layout (FP8: the linears on the FP8 tensor cores)."""
     g = gpu_spec(gpu)
+    hbm = g.hbm_gbs * 1e9 * MEMORY_EFFICIENCY
+    attention = g.peak_tflops * 1e12 * attention_efficiency(gpu)
     if lay.precision == "fp8":
         if not g.fp8_tflops:
             raise ConfigError(f"precision fp8 on {gpu}: it has no FP8 tensor cores; use bf16")
-        bf16 = default_efficiency(gpu, "bf16").value
-        return g.fp8_tflops * 1e12 * efficiency.value, g.peak_tflops * 1e12 * bf16
+        gemm = g.peak_tflops * 1e12 * default_efficiency(gpu, "bf16").value
+        return perf_ops.Rates(g.fp8_tflops * 1e12 * efficiency.value, gemm, attention, hbm, linear_bytes=1.0)
     rate = g.peak_tflops * 1e12 * efficiency.value
-    return rate, rate
+    return perf_ops.Rates(rate, rate, attention, hbm)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Seconds of one micro-batch on the slowest stage, by kind and pass."""
+
+    fwd_mm: float
+    bwd_mm: float
+    redo_mm: float
+    fwd_mem: float
+    bwd_mem: float
+    redo_mem: float
+
+    @property
+    def matmul(self) -> float:
+        return self.fwd_mm + self.bwd_mm + self.redo_mm
+
+    @property
+    def memory(self) -> float:
+        return self.fwd_mem + self.bwd_mem + self.redo_mem
+
+
+def _compute(spec, lay: Layout, seq: int, layers: int, rates: perf_ops.Rates) -> _Slot:
+    """One micro-batch's compute on the last stage (its layers + the LM head and loss): GEMMs and attention
+    (`labkit.parallel.perf_ops`), elementwise kernels at HBM speed (the backward's twice the forward's bytes;
+    FP8 adds its casts), recomputation by checkpointing policy."""
+    b, t, q_seq = lay.micro_batch, lay.tp, seq // lay.cp
+    tok = b * q_seq
+    lin = layers * perf_ops.linears_s(spec, tok, t, rates, lay.ep)
+    att = layers * perf_ops.attention_s(spec, b, seq, q_seq, t, rates, lay.flash)
+    head = perf_ops.head_s(spec, tok, t, rates)
+    per_tok = layers * tok / rates.hbm  # seconds per (byte per token and layer)
+    elem = per_tok * perf_ops.elementwise_bytes(spec, tp=t, sp=lay.sequence_parallel and t > 1, seq=seq,
+                                                flash=lay.flash, eager=lay.eager)
+    core = per_tok * perf_ops.softmax_bytes(spec, t, seq, lay.eager) if not lay.flash else 0.0
+    cast_f, cast_b = (per_tok * x for x in perf_ops.fp8_cast_bytes(spec, tok, t)) if lay.precision == "fp8" else (0, 0)
+    loss = tok * perf_ops.loss_bytes(spec, t, lay.eager) / rates.hbm
+    if lay.checkpointing == "full":
+        redo_mm, redo_mem = lin + att, elem + cast_f
+    elif lay.checkpointing == "selective" and lay.selective == "op":
+        redo_mm = layers * perf_ops.linears_s(spec, tok, t, rates, lay.ep, every_other=True)
+        redo_mem = elem - core + cast_f
+    elif lay.checkpointing == "selective":
+        redo_mm, redo_mem = (0.0, 0.0) if lay.flash else (att, core)
+    else:
+        redo_mm = redo_mem = 0.0
+    attn_bwd = perf_ops.ATTENTION_BACKWARD if lay.flash else 2.0
+    return _Slot(fwd_mm=lin + att + head, bwd_mm=2 * lin + attn_bwd * att + 2 * head, redo_mm=redo_mm,
+                 fwd_mem=elem + cast_f + loss / 3, bwd_mem=2 * elem + cast_b + 2 * loss / 3, redo_mem=redo_mem)
+
+
+def _tp_collectives(lay: Layout) -> float:
+    """All-reduce equivalents per layer and micro-batch of tensor parallelism (Narayanan et al. 2021 Sec. 2.3:
+    2 forward, 2 backward; sequence parallelism's all-gather + reduce-scatter pairs move the same bytes). A fully
+    recomputed forward redoes its 2; torchtitan's per-op policy saves the reduce-scatters' outputs but redoes
+    the all-gathers (half an all-reduce each) -- or, without sequence parallelism, the 2 all-reduces."""
+    if lay.checkpointing == "full":
+        return 6
+    if lay.checkpointing == "selective" and lay.selective == "op":
+        return 5 if lay.sequence_parallel and lay.tp > 1 else 6
+    return 4
+
+
+def _tp_overlapped(spec, lay: Layout, tok: int, tp_s: float, n_ar: float, rates: perf_ops.Rates) -> float:
+    """Exposed TP seconds when each collective is split into tp chunks and overlapped with the GEMM next to it
+    (AsyncTP): an all-gather only behind the column-parallel GEMMs it feeds, a reduce-scatter only behind the
+    row-parallel GEMM it drains (`perf_ops.tp_blocks_s`); the first chunk waits, the rest hides up to the GEMM's
+    time, minus the contention share (`perf_dp.exposed_behind`). Backward and recomputed passes mirror it."""
+    half = tp_s / (2 * n_ar)  # one all-gather or reduce-scatter of one layer and pass
+    t = lay.tp
+    blocks = perf_ops.tp_blocks_s(spec, tok, t, rates)
+    if not blocks:  # no row-parallel linear to pair with: nothing known to hide behind
+        return tp_s
+    per_pass = sum(half / t + exposed_behind(half * (t - 1) / t, gemm) for col, row in blocks for gemm in (col, row))
+    return per_pass * n_ar / len(blocks)  # a pass of a layer is len(blocks) all-reduce equivalents
+
+
+def _pp_cost(lay: Layout, act: float, gpus: int, gpus_per_node: int, nvlink: float, network: float
+             ) -> tuple[float, float]:
+    """(bytes sent, exposed seconds) of the pipeline's point-to-point traffic per micro-batch and GPU.
+
+    Each tensor-parallel rank sends 1/tp of the boundary activation (the receiving node all-gathers it on NVLink:
+    Megatron's scatter/gather, Narayanan et al. 2021 Sec. 4.1; DeepSpeed's partitioned activations and
+    gradients), once forward and once backward per model chunk (x interleave, Sec. 2.2.2). Megatron exchanges
+    with one neighbour at a time (send_forward_recv_backward): both transfers are exposed. DeepSpeed's pipeline
+    engine waits on blocking rendezvous with both neighbours every step, which chain through the pipeline:
+    replaying its TrainSchedule, 4 one-way transfer times per micro-batch reach the critical path
+    (`bench/pipeline_p2p_sim.py`), twice the two it sends."""
+    if lay.pp == 1:
+        return 0.0, 0.0
+    crosses = gpus > gpus_per_node and lay.tp * lay.cp * lay.dp >= gpus_per_node  # stages tp*cp*dp ranks apart
+    bw = network if crosses else nvlink
+    sent = 2 * lay.interleave * comm.bytes_sent("send_recv", act / lay.tp, 2)
+    exposed = DEEPSPEED_P2P_EXPOSED / 2 if lay.pipeline_engine == "deepspeed" else 1.0
+    return sent, exposed * sent / bw
 
 
 def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, efficiency: Efficiency,
@@ -184,46 +263,39 @@ def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, effi
     g = gpu_spec(gpu)
     inter = inter_node_gbps or g.inter_node_gbps
     gpus = lay.dp * lay.tp * lay.pp * lay.cp
-    a, b, t = spec.arch, lay.micro_batch, lay.tp
-    layers = math.ceil(a["layers"] / lay.pp)
-    lin_rate, attn_rate = _rates(gpu, lay, efficiency)
-    tok = b * seq // lay.cp  # this GPU's tokens of a micro-batch (its queries still see all seq keys)
-    redo_share = {"full": 1.0, "selective": 0.0, "none": 0.0}[lay.checkpointing]
-    lin = layers * tok * linear_flops(spec) / t / lin_rate
-    attn = layers * tok * attention_flops(spec, seq) / t / attn_rate * (0.5 if lay.flash else 1.0)
-    head = tok * 2 * a["hidden"] * a["vocab"] / t / attn_rate  # vocab-parallel LM head, on the last stage
-    redo_attn = attn if lay.checkpointing == "full" or (lay.checkpointing == "selective" and not lay.flash) else 0.0
-    fwd_mm = lin + attn + head
-    matmul = 3 * fwd_mm + redo_share * lin + redo_attn
-    nonmatmul = layers * _nonmatmul_bytes(spec, lay, seq // lay.cp) / (g.hbm_gbs * 1e9 * MEMORY_EFFICIENCY)
-    act = tok * a["hidden"] * 2  # one (b, s, h) bf16 activation
-    n_ar = (6 if lay.checkpointing == "full" else 4) * layers
+    t = lay.tp
+    layers = math.ceil(spec.arch["layers"] / lay.pp)
+    rates = _rates(gpu, lay, efficiency)
+    tok = lay.micro_batch * seq // lay.cp  # this GPU's tokens of a micro-batch (its queries still see all seq keys)
+    c = _compute(spec, lay, seq, layers, rates)
+    act = tok * spec.arch["hidden"] * 2  # one (b, s, h) bf16 activation
+    n_ar = _tp_collectives(lay) * layers
     tp_bytes = n_ar * comm.bytes_sent("all_reduce", act, t)
     nvlink = g.nvlink_gbs * 1e9 * comm_efficiency("nvlink")
-    tp = tp_bytes / nvlink
-    pp_bytes = 2 * comm.bytes_sent("send_recv", act / t, 2) if lay.pp > 1 else 0.0  # forward + backward
-    crosses = gpus > gpus_per_node and t * lay.cp * lay.dp >= gpus_per_node  # stages tp*cp*dp ranks apart
     network = inter / 8 * 1e9 * comm_efficiency("network")
-    pp = pp_bytes / (network if crosses else nvlink)
+    tp = tp_bytes / nvlink
+    if lay.tp_overlap and t > 1:
+        tp = _tp_overlapped(spec, lay, tok, tp, n_ar, rates)
+    pp_bytes, pp = _pp_cost(lay, act, gpus, gpus_per_node, nvlink, network)
     cp_bytes, ep_bytes = _cp_ep_bytes(spec, lay, tok, layers)
     cp = cp_bytes / (nvlink if t * lay.cp <= gpus_per_node else network)
     ep = ep_bytes / (nvlink if gpus <= gpus_per_node else network)
-    slot = matmul + nonmatmul + tp + pp + cp + ep
+    slot = c.matmul + c.memory + tp + pp + cp + ep
     m = lay.microbatches
     pipeline = comm.step_slots(lay.pp, m, lay.interleave) * slot
     bubble = comm.bubble_fraction(lay.pp, m, lay.interleave)
     params = params_on_gpu if params_on_gpu is not None else spec.params / (t * lay.pp)
-    fwd_s = slot * fwd_mm / (3 * fwd_mm + redo_share * lin + redo_attn)
+    fwd_s = c.fwd_mm + c.fwd_mem + tp * 2 / _tp_collectives(lay)
     dp = dp_time(lay, gpu=g, layers=layers, params_on_gpu=params, fwd_s=fwd_s, bwd_s=slot - fwd_s,
                  gpus_per_node=gpus_per_node, inter_node_gbps=inter)
     d = lay.dp * lay.cp
     updated = params / (d if lay.zero else 1)
-    optimizer = OPTIMIZER_BYTES * updated / (g.hbm_gbs * 1e9 * MEMORY_EFFICIENCY)
+    optimizer = OPTIMIZER_BYTES * updated / rates.hbm
     step = pipeline + dp.exposed + optimizer
-    tokens = b * m * lay.dp * seq
-    model, hardware = step_flops(spec, tokens, seq, lay.checkpointing, lay.flash)
+    tokens = lay.micro_batch * m * lay.dp * seq
+    model, hardware = step_flops(spec, tokens, seq, lay.checkpointing, lay.flash, lay.selective)
     peak_all = gpus * g.peak_tflops * 1e12
-    return StepTime(matmul_s=m * matmul, nonmatmul_s=m * nonmatmul, tp_s=m * tp, pp_s=m * pp, dp_s=dp.exposed,
+    return StepTime(matmul_s=m * c.matmul, nonmatmul_s=m * c.memory, tp_s=m * tp, pp_s=m * pp, dp_s=dp.exposed,
                     optimizer_s=optimizer, bubble=bubble, step_s=step, model_flops=model,
                     hardware_flops=hardware, mfu=model / (peak_all * step), hfu=hardware / (peak_all * step),
                     tflops_per_gpu=hardware / gpus / step / 1e12,

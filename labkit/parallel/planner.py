@@ -74,7 +74,8 @@ class PlanRequest:
     fsdp: bool = False
     """ZeRO-3 layouts as torch FSDP (the recomputed forward reuses the backward's gather) rather than DeepSpeed."""
     fused_kernels: bool = True
-    """Activation memory of fused norm / SwiGLU kernels (Megatron, Meta, torchtitan); False = HF eager."""
+    """Fused norm / SwiGLU kernels (Megatron, Meta, torch.compile): their activation memory and HBM traffic;
+    False = Hugging Face's eager modules (more saved activations, one kernel per elementwise op)."""
     efficiency: Efficiency | None = None
     """Filled in (`labkit.parallel.hardware.matmul_efficiency`): value and source."""
 
@@ -218,7 +219,8 @@ def layout_of(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batc
     return perf_model.Layout(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, microbatches=req.batch // dp // micro_batch,
                              checkpointing=req.checkpointing, zero=zero, sequence_parallel=req.sequence_parallel and tp > 1,
                              interleave=req.interleave if pp > 1 else 1, flash=req.flash, cp=cp, ep=ep,
-                             fsdp=req.fsdp, precision=req.precision, fused_kernels=req.fused_kernels)
+                             fsdp=req.fsdp, precision=req.precision, fused_kernels=req.fused_kernels,
+                             eager=not req.fused_kernels)
 
 
 def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch: int, *,
@@ -255,7 +257,8 @@ def assumption(req: PlanRequest) -> dict:
     """The matmul efficiency a plan assumed and its source (JSON and text output)."""
     return {"matmul_efficiency": req.efficiency.value, "source": req.efficiency.source,
             "peak_tflops": req.spec.fp8_tflops if req.precision == "fp8" else req.spec.peak_tflops,
-            "precision": req.precision, "comm_efficiency": hardware.comm_efficiency("nvlink"),
+            "precision": req.precision, "attention_efficiency": hardware.attention_efficiency(req.gpu),
+            "comm_efficiency": hardware.comm_efficiency("nvlink"),
             "network_efficiency": hardware.comm_efficiency("network"),
             "inter_node_gbps": req.inter_node_gbps or req.spec.inter_node_gbps}
 
@@ -353,7 +356,7 @@ def format_plan(p: Plan, top: int = 10) -> str:
 def format_assumption(req: PlanRequest) -> str:
     e, a = req.efficiency, assumption(req)
     return (f"assumes {req.precision} matmuls at {e.value:.0%} of the {a['peak_tflops']:.0f} TFLOPS peak "
-            f"({e.source}); NCCL at {a['comm_efficiency']:.0%} of NVLink and {a['network_efficiency']:.0%} of "
+            f"({e.source}) plus their HBM traffic, flash attention at {a['attention_efficiency']:.0%}; NCCL at {a['comm_efficiency']:.0%} of NVLink and {a['network_efficiency']:.0%} of "
             f"{a['inter_node_gbps']:g} Gb/s per GPU between nodes; checkpointing {req.checkpointing}" + ("" if req.flash else ", no flash attention")
             + ("" if req.sequence_parallel else ", no sequence parallelism")
             + (f", interleave {req.interleave}" if req.interleave > 1 else ""))
