@@ -23,7 +23,7 @@ from pathlib import Path
 from labkit.course.exercises import wire
 from labkit.course.exercises.cases import Case, CaseResult
 from labkit.course.exercises.process import Launched, exit_reason, launch
-from labkit.course.exercises.student import Student, StudentGone, waiting
+from labkit.course.exercises.student import Student, StudentGone, grader_seconds, waiting
 from labkit.course.exercises.verdicts import run_cases
 
 _POLL_S = 0.1
@@ -182,6 +182,7 @@ class RemoteStudent(Student):
         super().__init__(exercise)
         self.channel, self.deadline = channel, deadline
         self.gone: str = ""
+        self.grader_s0 = grader_seconds()  # the grader's own time from here on extends the deadline
 
     def load(self, source: str) -> str:
         """Load an exercise cell on the student's side: "" when it defines the function, else why not."""
@@ -196,7 +197,7 @@ class RemoteStudent(Student):
             raise StudentGone(self.gone)
         try:
             with waiting():  # other submissions' tests run while this one waits for the student's process
-                return self.channel.exchange(request, self.deadline)
+                return self.channel.exchange(request, self.deadline + grader_seconds() - self.grader_s0)
         except StudentGone as exc:
             self.gone = str(exc)
             raise
