@@ -208,6 +208,28 @@ def test_spawn_starts_again_on_a_new_port_when_its_port_was_taken(monkeypatch):
     assert ports == [] and live_children() == []
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
+def test_warm_ranks_are_forks_of_one_process_and_behave_like_fresh_ones():
+    """Inside warm_ranks() (the grader's process for one exercise) ranks fork from one forkserver: the same
+    values, the failing rank named, a hung run killed, a fresh process group per spawn; nothing left after."""
+    import sys
+
+    spawn_module = sys.modules["labkit.course.exercises.spawn"]
+    with spawn_module.warm_ranks():
+        assert ex.spawn(_rank_count, world=2) == [2, 2]
+        assert ex.spawn(_rank_count, world=3) == [3, 3, 3]  # a new group of another size: ranks are not reused
+        forkserver = [p for p in live_children() if "forkserver" in " ".join(p.cmdline())]
+        assert len(forkserver) == 1, live_children()
+        with pytest.raises(ex.ExerciseError, match=r"rank 1 raised ValueError: rank one is wrong") as info:
+            ex.spawn(_rank_fails, world=2, timeout=60)
+        assert "raise ValueError" in info.value.traceback
+        with pytest.raises(ex.ExerciseError, match=r"still running after 4 s and was killed"):
+            ex.spawn(_rank_hangs, world=2, timeout=4)
+        assert [p.pid for p in live_children()] == \
+            [forkserver[0].pid]  # every rank is gone; only the forkserver waits for the next spawn
+    assert spawn_module._WARM is None and live_children() == []
+
+
 def test_spawn_rejects_bad_arguments():
     with pytest.raises(ValueError, match="world=0"):
         ex.spawn(_rank_stub, world=0)
