@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import live_children
+from conftest import live_children, stream_text
 from labkit.course import exercises as ex
 
 TESTS = textwrap.dedent('''
@@ -228,6 +228,18 @@ def test_warm_ranks_are_forks_of_one_process_and_behave_like_fresh_ones():
         assert [p.pid for p in live_children()] == \
             [forkserver[0].pid]  # every rank is gone; only the forkserver waits for the next spawn
     assert spawn_module._WARM is None and live_children() == []
+
+
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
+def test_in_a_kernel_ranks_fork_from_a_forkserver_that_lives_as_long_as_the_kernel(run_cells):
+    nb = run_cells(
+        "import os\nfrom labkit.course.exercises import spawn\n"
+        "def where(rank, world):\n"
+        "    import torch.distributed as dist\n"
+        "    return open(f'/proc/{os.getppid()}/cmdline').read().replace(chr(0), ' '), dist.get_world_size()\n"
+        "first = spawn(where, world=2)\nsecond = spawn(where, world=2)",
+        "print([(('forkserver' in parent), size) for parent, size in first + second])")
+    assert stream_text(nb.cells[1]).strip() == str([(True, 2)] * 4)
 
 
 def test_spawn_rejects_bad_arguments():

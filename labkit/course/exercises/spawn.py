@@ -7,9 +7,10 @@ A rank that raises -> `ExerciseError` naming the rank and the error (the other r
 would wait in a collective forever); a run that outlives `timeout` -> killed, `ExerciseError` says so.
 Every rank is its own session leader with the parent-death signal set, and is killed with its group, so
 no process survives `spawn`, even when the caller is killed (a kernel restart, the grader's timeout).
-A process that spawns many times (the grader's process for one exercise: every test of the solution and of
-each mutant) runs inside `warm_ranks()`: there ranks are forked from a forkserver that imported torch once, instead
-of each rank importing it again (seconds of CPU per rank); each spawn still gets pristine forked ranks.
+A process that spawns many times runs inside `warm_ranks()` (the grader's process for one exercise: every
+test of the solution and of each mutant), and so does a Jupyter kernel (a notebook's checks and comparisons):
+there ranks are forked from a forkserver that imported torch once, instead of each rank importing it again
+(seconds of CPU per rank); each spawn still gets pristine forked ranks.
 GPU profiles may later use nccl with one GPU per rank; that branch is not written (CPU/gloo only).
 Introduced in notebook 03_ddp.
 """
@@ -86,10 +87,39 @@ def warm_ranks():
         yield
     finally:
         _WARM = None
-        stop = getattr(forkserver._forkserver, "_stop", None)  # CPython's own (used by its tests; 3.8+)
-        if stop is not None:
-            with contextlib.suppress(FileNotFoundError):  # its socket's folder went at interpreter exit
-                stop()
+        _stop_forkserver(forkserver)
+
+
+def _in_kernel() -> bool:
+    """Is this a Jupyter kernel (a notebook's checks and comparisons spawn again and again)?"""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    return type(shell).__name__ == "ZMQInteractiveShell"
+
+
+_KERNEL_WARM = None
+
+
+def _kernel_warm():
+    """The forkserver context of a Jupyter kernel: started by its first spawn, it lives as long as the kernel
+    (it exits when the kernel does, and is stopped and reaped at a normal kernel shutdown)."""
+    global _KERNEL_WARM
+    if _KERNEL_WARM is None:
+        import atexit
+        import multiprocessing
+        from multiprocessing import forkserver
+
+        _KERNEL_WARM = multiprocessing.get_context("forkserver")
+        _KERNEL_WARM.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", _ENTRY])
+        atexit.register(_stop_forkserver, forkserver)
+    return _KERNEL_WARM
+
+
+def _stop_forkserver(forkserver) -> None:
+    stop = getattr(forkserver._forkserver, "_stop", None)  # CPython's own (used by its tests; 3.8+)
+    if stop is not None:
+        with contextlib.suppress(FileNotFoundError):  # its socket's folder went at interpreter exit
+            stop()
 
 
 def _start_forkserver() -> None:
@@ -155,10 +185,12 @@ def _forked_rank(work: str, rank: int, env: dict[str, str], cwd: str) -> None:
 
 
 def _start(work: Path, rank: int, world: int, port: int):
-    """One rank: forked from the forkserver inside `warm_ranks()`, else a fresh interpreter."""
-    if _WARM is not None:
+    """One rank: forked from the forkserver inside `warm_ranks()` or in a Jupyter kernel, else a fresh
+    interpreter."""
+    ctx = _WARM or (_kernel_warm() if _in_kernel() else None)
+    if ctx is not None:
         _start_forkserver()
-        return _Forked(_WARM, work, rank, _child_env(rank, world, port))
+        return _Forked(ctx, work, rank, _child_env(rank, world, port))
     with open(work / f"rank_{rank}.log", "wb") as log:
         return subprocess.Popen([sys.executable, "-m", _ENTRY, str(work), str(os.getpid())],
                                 env=_child_env(rank, world, port), stdin=subprocess.DEVNULL, stdout=log,
