@@ -27,6 +27,8 @@ from labkit.course.exercises.student import Student, StudentGone, grader_seconds
 from labkit.course.exercises.verdicts import run_cases
 
 _POLL_S = 0.1
+#: Seconds a student's process gets to exit by itself after its channel closed, before it is killed.
+_BYE_S = 5.0
 #: Seconds the student's process may take to start (our code only: Python, labkit, the sandbox) before the
 #: exercise's own clock starts; a busy machine must not eat a student's time.
 STARTUP_S = 180.0
@@ -64,14 +66,20 @@ class Channel:
         self.sock, self.seq, self._ready, self._starting = ours, 0, False, False
 
     def close(self) -> None:
+        import subprocess
+
         from labkit.course.grading.confine import kill_process_tree
 
         proc = self.launched.proc
+        self.sock.close()  # end of requests: a process between requests stops its warm ranks' forkserver and exits
+        try:
+            proc.wait(timeout=_BYE_S)
+        except subprocess.TimeoutExpired:  # busy in student code, or ignores the end: killed with its tree
+            pass
         if proc.poll() is None:
             kill_process_tree(proc.pid)
         proc.wait()
         self.launched.box.close()
-        self.sock.close()
         self.launched.output.join()
         self._tmp.cleanup()
 

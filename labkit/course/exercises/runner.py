@@ -112,12 +112,14 @@ def _run_variant(exercise: str, source: str, cases, reveal: bool = False) -> dic
 def main(argv: list[str]) -> int:
     from labkit.course.exercises.cases import load_cases_from_text
     from labkit.course.exercises.process import child_args
+    from labkit.course.exercises.spawn import warm_ranks
 
     args = child_args(argv, "labkit.course.exercises.runner", "--report-fd")
     job = json.loads(sys.stdin.read())
     cases = [c for t in job["tests"] for c in load_cases_from_text(t["text"], t["file"], hidden=t["hidden"])
              if c.exercise == job["exercise"]]
-    variants = [_run_variant(job["exercise"], src, cases, bool(job.get("reveal"))) for src in job["sources"]]
+    with warm_ranks():  # every variant's tests spawn ranks: fork them from one process that imported torch once
+        variants = [_run_variant(job["exercise"], src, cases, bool(job.get("reveal"))) for src in job["sources"]]
     sys.stdout.flush()
     with os.fdopen(args.fd, "w", closefd=False) as out:
         out.write(json.dumps({"variants": variants}))
