@@ -15,7 +15,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(BUILD)/torch_extensions
 export MPLBACKEND := Agg
 PYTEST_ARGS ?=
 
-.PHONY: lab test smoke venv kernel clean-notebooks clean bench slides chromium bubblewrap
+.PHONY: lab test smoke venv kernel clean-notebooks clean bench slides chromium bubblewrap student site site-deps
 
 $(BIN)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 1; }
@@ -36,7 +36,7 @@ LAB_ARGS ?=
 lab: venv
 	$(BIN)/jupyter lab --notebook-dir=notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_ARGS)
 
-test: venv chromium bubblewrap
+test: venv chromium bubblewrap site-deps
 	mkdir -p $(BUILD)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
@@ -59,6 +59,24 @@ bubblewrap:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update && apt-get install -y bubblewrap; \
 	  else echo "error: /usr/bin/bwrap is missing: run 'sudo apt-get install -y bubblewrap' (Debian/Ubuntu), then retry"; exit 1; fi; \
 	fi
+
+# A self-study learner's own copy of the labs (docs/self-study.md): never replaces a file already in my-labs/.
+student: venv
+	$(BIN)/labkit assign --self-study --out my-labs
+
+# The course website (docs/self-study.md): Jupyter Book 2 (the `site` extra) parses the pages on Debian's Node.js
+# (no npm, no download: labkit renders the HTML itself, labkit.course.site).
+site-deps: venv
+	@if ! command -v node >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update && apt-get install -y nodejs; \
+	  else echo "error: node is missing: run 'sudo apt-get install -y nodejs' (Debian/Ubuntu), then retry"; exit 1; fi; \
+	fi
+	@test -x $(BIN)/jupyter-book || $(BIN)/python -m pip install -e '.[site]'
+
+# SITE_REPO=https://github.com/OWNER/NAME points the labs' Open in Colab / Kaggle links there (default: site/site.yml).
+SITE_REPO ?=
+site: site-deps
+	$(BIN)/labkit site build --out $(BUILD)/site $(if $(SITE_REPO),--repo $(SITE_REPO))
 
 slides: venv chromium
 	$(BIN)/labkit slides build --out $(BUILD)/slides
