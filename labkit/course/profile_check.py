@@ -73,16 +73,19 @@ def precision_problem(profile: Profile) -> str | None:
 def lab_runs(profile: Profile) -> list[tuple[str, str, str, str, dict]]:
     """(lab, label, strategy, model, options) of every training run the lab notebooks make on
     `profile`, with the precision each run states. Keep in step with the notebooks' run cells."""
+    from labkit.train.memcap import scenario_cap_gb
+
     amp, n = amp_of(profile), profile.nproc
     vis, llm = profile.vision_model, profile.llm_model
+    cap = scenario_cap_gb(profile, llm)  # 06 runs every PEFT run under "the 24 GB GPU" cap
     pipe_amp = "none" if profile.dtype == "float16" else amp  # pipelines refuse fp16 (07's setup cell)
     runs = [("02_single", "baseline", "single", vis, dict(amp="none")),
             ("02_single", "amp", "single", vis, dict(amp=amp)),
             ("02_single", "accum", "single", vis, dict(amp="none", accum=2)),
             ("02_single", "checkpointing", "single", vis, dict(amp="none", checkpointing=True)),
             ("02_single", "channels_last", "single", vis, dict(amp=amp, channels_last=True)),
-            ("06_peft", "lora", "lora", llm, dict(checkpointing=True)),
-            ("06_peft", "qlora", "qlora", llm, dict(checkpointing=True))]
+            ("06_peft", "lora", "lora", llm, dict(checkpointing=True, memory_cap_gb=cap)),
+            ("06_peft", "qlora", "qlora", llm, dict(checkpointing=True, memory_cap_gb=cap))]
     if n >= 2:
         runs += [("03_ddp", "ddp1", "single", vis, {}), ("03_ddp", f"ddp{n}", "ddp", vis, dict(nproc=n)),
                  ("03_ddp", "llm single", "single", llm, single_levers(profile, llm)),

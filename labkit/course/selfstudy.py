@@ -2,7 +2,8 @@
 request (`labkit solution LAB NAME`).
 
 A learner works in `my-labs/` (the student release of `labkit assign`: every solution stubbed, the visible
-tests beside the notebooks in `my-labs/tests/`, no hidden tests) and keeps the course's source notebooks
+tests beside the notebooks in `my-labs/tests/`; no hidden tests, nor the class release's note of what they
+vary: no one grades a self-study learner, who compares with `labkit solution` instead) and keeps the course's source notebooks
 as the answer key, read only when asked. Writing the release never replaces a file that is already
 there: a re-run adds what is missing and names every file it kept, so a learner's work is never lost.
 """
@@ -14,6 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from labkit.course.exercises.hidden import MANIFEST_SUFFIX
 from labkit.course.exercises.release import make_release
 from labkit.course.exercises.source import ONE_LINE_ANSWER, exercise_id
 from labkit.errors import ConfigError, GradingError, choices_error
@@ -55,7 +57,7 @@ def make_self_study(out_dir: str | Path = DEFAULT_OUT, source_dir: str | Path | 
         release = make_release(tmp, source)  # validates every notebook before anything is written
         fresh = Path(tmp) / "notebooks"
         written, kept, unchanged = [], [], []
-        for path in sorted(p for p in fresh.rglob("*") if p.is_file()):
+        for path in sorted(p for p in fresh.rglob("*") if p.is_file() and not p.name.endswith(MANIFEST_SUFFIX)):
             rel = path.relative_to(fresh)
             target = out / rel
             if target.exists():

@@ -51,15 +51,25 @@ def run(strategy: str, model: str, *, timeout_s: float | None = None, stream: bo
     cls = parallel.strategy_class(cfg.run.strategy)
     if cfg.world_size == 1 and not cls.needs_process_group:
         return _in_process(cfg)
-    from labkit import launch
+    from labkit import launch, rank_pool
 
-    launch.run(WORKER, ["--config-json", cfg.to_json()], nproc=cfg.launch.nproc, timeout_s=_timeout(cfg, timeout_s),
-               env=cls.launch_env(cfg), nnodes=cfg.launch.nnodes, node_rank=cfg.launch.node_rank,
-               rdzv_endpoint=cfg.launch.rdzv_endpoint, stream=stream,
-               threads=launch.cpu_threads(cfg.launch.nproc, cpu_heavy=cfg.run.strategy in launch.CPU_HEAVY_STRATEGIES))
+    # Warm ranks (labkit.rank_pool) in a notebook: the ranks of the previous run take this one if they can.
+    rank_pool.run(WORKER, ["--config-json", cfg.to_json()], nproc=cfg.launch.nproc, timeout_s=_timeout(cfg, timeout_s),
+                  env=cls.launch_env(cfg), nnodes=cfg.launch.nnodes, node_rank=cfg.launch.node_rank,
+                  rdzv_endpoint=cfg.launch.rdzv_endpoint, stream=stream, group=process_group(cfg),
+                  threads=launch.cpu_threads(cfg.launch.nproc, cpu_heavy=cfg.run.strategy in launch.CPU_HEAVY_STRATEGIES))
     if cfg.launch.node_rank != 0:
         return None
     return record_of(cfg.run.out, cfg.run.run_id)
+
+
+def process_group(cfg: TrainConfig) -> str:
+    """What the ranks' process group is made of (labkit.train.worker.join_group): warm ranks serve only
+    runs that agree on it."""
+    from labkit.profiles import get_profile
+
+    prof = get_profile(cfg.run.profile)
+    return f"{prof.backend}/{prof.device}/{prof.timeout_s:g}"
 
 
 def require_hardware(profile: str) -> None:

@@ -52,8 +52,9 @@ class RunSection:
     """Optimizer steps to run in total (a resumed run continues up to this count); default from the profile."""
     seed: int = 0
     """Seed of the model init, the data order and every RNG."""
-    out: str = "runs"
-    """Output folder: results.jsonl (appended, never overwritten) and checkpoints/."""
+    out: str = ""
+    """Output folder: results.jsonl (appended, never overwritten) and checkpoints/; '' = $LABKIT_RUNS, else
+    runs (`labkit.results.runs_root`)."""
     run_id: str = ""
     """Identifies this run's record in results.jsonl ('' = a fresh id, set by `run()`)."""
     data: str = "synthetic"
@@ -288,7 +289,8 @@ class TrainConfig:
         return dataclasses.replace(self, **sections)
 
     def resolve(self, profile=None) -> "TrainConfig":
-        """A copy with every `None` replaced by the profile's value (idempotent). `amp` left None takes
+        """A copy with every `None` replaced by the profile's value and an empty `out` by the results root
+        (idempotent). `amp` left None takes
         the profile's dtype: a run that must be fp32 on every profile (a baseline) says amp='none'.
         `profile`: a `Profile` object standing in for the named one (`labkit.course.profile_check` sizes
         changed profiles with it)."""
@@ -300,7 +302,11 @@ class TrainConfig:
                     batch=prof.llm_batch if llm else prof.image_batch, seq_len=prof.seq_len,
                     image_size=prof.image_size, workers=0 if prof.device == "cpu" else 4)
         flat = self.flat()
-        return self.replace(**{k: v for k, v in fill.items() if flat[k] is None})
+        fill = {k: v for k, v in fill.items() if flat[k] is None}
+        if not flat["out"]:  # the results root: $LABKIT_RUNS, else runs
+            from labkit.results import runs_root
+            fill["out"] = runs_root()
+        return self.replace(**fill)
 
     def to_json(self) -> str:
         """Nested JSON: {"run": {...}, "launch": {...}, ...}."""
