@@ -96,9 +96,15 @@ class LaunchSection:
     """This node's rank in 0..nnodes-1."""
     rdzv_endpoint: str | None = None
     """HOST:PORT of the rendezvous (the head node) when nnodes > 1."""
+    threads: int | None = None
+    """Intra-op (OpenMP) threads per rank, also for a run in this process; default: a launched rank gets
+    `labkit.launch.cpu_threads` (1, or cores / ranks for CPU-heavy strategies), an in-process run torch's
+    default (every core). Give runs you compare by time the same count (notebook 03's ladder: 1)."""
 
     def __post_init__(self) -> None:
         _count("nproc", self.nproc, minimum=1)
+        if self.threads is not None:
+            _count("threads", self.threads, minimum=1)
         _count("nnodes", self.nnodes, minimum=1)
         _count("node_rank", self.node_rank, minimum=0)
         if self.nnodes > 1 and not self.rdzv_endpoint:

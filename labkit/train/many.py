@@ -63,7 +63,7 @@ def run_many(runs: list, model: str, *, nproc: int = 2, out: str = "runs", strea
     limit = timeout_s or get_profile(first.run.profile).timeout_s * max(1, len(configs))
     heavy = any(cfg.run.strategy in launch.CPU_HEAVY_STRATEGIES for cfg in configs)
     rank_pool.run(ENTRY, args, nproc=nproc, timeout_s=limit, env=env, stream=stream,
-                  threads=launch.cpu_threads(nproc, cpu_heavy=heavy), group=process_group(first))
+                  threads=first.launch.threads or launch.cpu_threads(nproc, cpu_heavy=heavy), group=process_group(first))
     return [record_of(cfg.run.out, cfg.run.run_id) for cfg in configs]
 
 
