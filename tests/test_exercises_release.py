@@ -66,6 +66,21 @@ def test_the_release_holds_no_solution_line_and_no_hidden_test(release):
     assert "agrees_with_the_estimator" in hidden_text and "agrees_with_the_estimator" not in json.dumps(manifest)
 
 
+def test_hidden_files_load_their_visible_twin_in_the_release_and_the_source_tree(release, tmp_path):
+    """A hidden file reuses its visible file's harnesses (`visible_twin`): autograder/NN.py finds
+    autograder/visible/NN.py, notebooks/tests/hidden/NN.py finds notebooks/tests/NN.py."""
+    from labkit.course.exercises.cases import ExerciseError, load_cases, visible_twin
+
+    out, _ = release
+    for hidden in (out / "autograder" / "07_model_parallel.py", SOURCE / "tests" / "hidden" / "07_model_parallel.py"):
+        assert {c.exercise for c in load_cases(hidden)} >= {"column_parallel", "gpipe_step"}
+    twin = visible_twin(out / "autograder" / "07_model_parallel.py")
+    assert twin.__labkit_test_file__ == str(out / "autograder" / "visible" / "07_model_parallel.py")
+    (tmp_path / "hidden").mkdir()
+    with pytest.raises(ExerciseError, match="no visible test file 09_x.py"):
+        visible_twin(tmp_path / "hidden" / "09_x.py")
+
+
 @pytest.mark.parametrize("source, error", [
     ("def f():\n    # BEGIN SOLUTION\n    return 1\n", "BEGIN SOLUTION is never closed"),
     ("def f():\n    return 1\n    # END SOLUTION\n", "END SOLUTION without a # BEGIN SOLUTION"),

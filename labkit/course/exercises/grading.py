@@ -107,11 +107,13 @@ def run_variants(exercise: str, sources: list[str], plan: Plan, *, timeout_s: fl
                  kernel: str = "labkit", reveal_hidden: bool = False) -> list[VariantResult]:
     """Every case of `exercise` on each source variant (the submitted cell; in CI the solution and its mutants).
     A legacy exercise's hidden messages come back only with `reveal_hidden`."""
+    from labkit.course.exercises import wire
+
     cases = plan.cases(exercise)
     options = dict(timeout_s=timeout_s, memory_bytes=memory_bytes, output_bytes=output_bytes, isolation=isolation,
                    private=private, kernel=kernel)
-    if exercise not in plan.legacy:
-        return judge(exercise, sources, cases, **options)
+    if exercise not in plan.legacy:  # an answer is output too: --output-mib caps it (refused before it is read)
+        return judge(exercise, sources, cases, max_message=min(wire.MAX_BYTES, output_bytes), **options)
     tests = payload_of(plan.visible, False) + payload_of(plan.hidden, True)
     run = run_exercise(exercise, sources, tests, reveal_hidden=reveal_hidden, **options)
     if run.status != OK or len(run.variants) != len(sources):

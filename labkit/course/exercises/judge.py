@@ -64,12 +64,13 @@ class Channel:
         self.sock, self.seq, self._ready, self._starting = ours, 0, False, False
 
     def close(self) -> None:
-        from labkit.course.grading.sandbox import kill_process_tree
+        from labkit.course.grading.confine import kill_process_tree
 
         proc = self.launched.proc
         if proc.poll() is None:
             kill_process_tree(proc.pid)
         proc.wait()
+        self.launched.box.close()
         self.sock.close()
         self.launched.output.join()
         self._tmp.cleanup()
@@ -120,7 +121,7 @@ class Channel:
         return answer
 
     def close_quietly(self) -> None:
-        from labkit.course.grading.sandbox import kill_process_tree
+        from labkit.course.grading.confine import kill_process_tree
 
         if self.launched.proc.poll() is None:
             kill_process_tree(self.launched.proc.pid)
@@ -137,8 +138,9 @@ class Channel:
                               "waiting for a collective that never comes?)")
         if proc.poll() is not None:
             self.launched.output.join(1.0)
-            tail = out.last_lines() if self.reveal else ""
-            how = f" ({exit_reason(proc)})" if self.reveal else ""
+            capped = self.launched.box.exceeded()  # a cap of the grader's: named whatever the student's side sent
+            tail = out.last_lines() if self.reveal and not capped else ""
+            how = f" ({capped or exit_reason(proc)})" if self.reveal or capped else ""
             raise StudentGone(f"the exercise's process died{how} before answering" + (f": {tail}" if tail else ""))
 
     def _send(self, data: bytes, deadline: float) -> None:

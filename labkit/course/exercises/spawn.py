@@ -44,7 +44,7 @@ def _child_env(rank: int, world: int, port: int) -> dict[str, str]:
 def _kill(procs: list[subprocess.Popen]) -> None:
     """SIGKILL every rank with its group and descendants (the sandbox's tree kill: a rank's own child that
     started a session of its own goes too), then reap them."""
-    from labkit.course.grading.sandbox import kill_process_tree
+    from labkit.course.grading.confine import kill_process_tree
 
     for proc in procs:
         if proc.poll() is None:
