@@ -1,6 +1,7 @@
 """`labkit assign`: the student release holds no solution, runs unattempted, and `labkit check` lists the work."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -8,13 +9,27 @@ import nbformat
 import pytest
 
 from conftest import stream_text
-from labkit.course import notebooks as nbk
 from labkit.cli import main
+from labkit.course import notebooks as nbk
 from labkit.course.exercises.release import make_release
 from labkit.course.exercises.source import exercise_id, solution_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "notebooks"
+
+
+def released_memory_run(tmp_path_factory):
+    """(release folder, NotebookRun): the student release with its 01_memory executed in smoke, once per process.
+    This test checks it runs unattempted; tests/test_site.py imports this function to show its outputs on the
+    course website (importing it keeps both files in one xdist unit, tests/_schedule.py: one run, not two)."""
+    return _released_memory_run(tmp_path_factory.getbasetemp())
+
+
+@functools.cache
+def _released_memory_run(base: Path):
+    out = base / "release-run"
+    make_release(out, SOURCE)
+    return out, nbk.run_notebook(out / "notebooks" / "01_memory.ipynb", out_dir=out / "executed")
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +106,8 @@ def test_assign_never_overwrites_the_source(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_released_memory_lab_runs_unattempted_and_check_lists_the_exercises(release, capsys):
-    out, rel = release
-    run = nbk.run_notebook(out / "notebooks" / "01_memory.ipynb", out_dir=out / "executed")
+def test_released_memory_lab_runs_unattempted_and_check_lists_the_exercises(tmp_path_factory, capsys):
+    out, run = released_memory_run(tmp_path_factory)
     assert run.ok, f"{run.describe()}\n{run.traceback[-3000:]}"
     text = "".join(stream_text(c) for c in nbformat.read(run.output, 4).cells)
     assert "model_state_bytes: not attempted" in text and "not attempted yet: exercise measure_state_bytes" in text

@@ -1,4 +1,5 @@
 """`labkit assign --out DIR [--source notebooks]`: write the student release and the autograder folder.
+`labkit assign --self-study [--out my-labs]`: a self-study learner's own release (labkit.course.selfstudy).
 
 DIR/notebooks/ holds the notebooks with every solution stubbed and outputs cleared, plus their visible tests;
 DIR/autograder/ the hidden tests (docs/grading.md, "For instructors"); the course files the notebooks link
@@ -17,13 +18,25 @@ from labkit.course.links import copy_linked, linked_files
 
 
 @click.command("assign")
-@click.option("--out", "out_dir", required=True, type=click.Path(), help="Release folder to write.")
-@click.option("--source", "source_dir", default="notebooks", show_default=True, type=click.Path(),
-              help="The course's source notebooks (with tests/ and tests/hidden/ beside them).")
+@click.option("--out", "out_dir", default=None, type=click.Path(),
+              help="Release folder to write (required, except with --self-study: my-labs).")
+@click.option("--source", "source_dir", default=None, type=click.Path(),
+              help="The course's source notebooks (with tests/ and tests/hidden/ beside them) [default: notebooks].")
 @click.option("--gradescope", is_flag=True,
               help="Also write OUT/gradescope/<notebook>.zip per lab: a Gradescope autograder (labkit pinned by the lock).")
-def command(out_dir, source_dir, gradescope):
+@click.option("--self-study", is_flag=True,
+              help="A learner's own release: OUT/*.ipynb and OUT/tests (visible tests only); never replaces a "
+                   "file already in OUT (docs/self-study.md).")
+def command(out_dir, source_dir, gradescope, self_study):
     """Write the student release of SOURCE to OUT/notebooks and the hidden tests to OUT/autograder."""
+    if self_study:
+        from labkit.course.selfstudy import DEFAULT_OUT, format_self_study, make_self_study
+
+        click.echo(format_self_study(make_self_study(out_dir or DEFAULT_OUT, source_dir)))
+        return 0
+    if out_dir is None:
+        raise click.UsageError("--out DIR is required (or --self-study for your own copy of the labs in my-labs/)")
+    source_dir = source_dir or "notebooks"
     linked_files(Path(source_dir))  # a dead link stops the release before anything is written
     rel = make_release(out_dir, source_dir)
     linked = copy_linked(source_dir, out_dir)
