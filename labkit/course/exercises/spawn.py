@@ -163,6 +163,16 @@ def _forked_rank(work: str, rank: int, env: dict[str, str], cwd: str) -> None:
     the caller's directory, environment and import path), then the same `_rank.main`, tied to the forkserver
     (which ends with the caller)."""
     os.setsid()
+    # The forkserver hands each child the caller's end of its "alive" pipe (so that a child could use the
+    # forkserver in turn); a rank never does, and holding it keeps the forkserver from seeing its caller die:
+    # the forkserver then outlives a killed caller, and the ranks tied to it live on (seen: a killed
+    # `labkit check` left both ranks running). Closed, the forkserver exits with the caller and the ranks' parent-death signal fires.
+    from multiprocessing import forkserver
+
+    alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
     os.chdir(cwd)
     log = os.open(Path(work) / f"rank_{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     null = os.open(os.devnull, os.O_RDONLY)
