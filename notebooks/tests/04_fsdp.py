@@ -63,6 +63,9 @@ def _shard_harness(rank, world, shard_model):
            "units": {name or "<root>": isinstance(m, FSDPModule) for name, m in model.named_modules()
                      if name in ("", "model.layers.0", "model.layers.1")}}
     model = shard_model(_llama(), mesh, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    # The masters as shard_model left them, read BEFORE the forward: a forward that crashes (units with different
+    # policies) leaves its units' gathered bf16 copies registered as the parameters.
+    masters = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
     seen = {}
 
     def probe(name):
@@ -80,8 +83,7 @@ def _shard_harness(rank, world, shard_model):
         error = ""
     except RuntimeError as exc:  # e.g. "expected m1 and m2 to have the same dtype": units with different policies
         error = str(exc).splitlines()[0][:200]
-    out.update(compute=seen, masters=sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()}),
-               bf16_error=error)
+    out.update(compute=seen, masters=masters, bf16_error=error)
     return out
 
 
@@ -255,10 +257,12 @@ def weights_equal_adamw_on_the_averaged_gradients_on_3_ranks(student):
 
     ref = reference(_adamw_on_the_mean, WORLD, STEPS, LR, DECAY, [list(range(WORLD))])
     size = -(-227 // WORLD)
-    for rank, out in enumerate(_zero1(student)):
+    outs = _zero1(student)
+    for rank, out in enumerate(outs):  # every rank's slice first: a wrong slice on rank 1 is what breaks rank 0's weights
         if out["first_slice_grad"] is not None:
             problem = _slice_problem(rank, out["first_slice_grad"], ref, size)
             assert not problem, problem
+    for rank, out in enumerate(outs):
         for step, (got, want) in enumerate(zip(out["weights"], ref["weights"][rank])):
             if torch.allclose(got, want, atol=1e-5):
                 continue

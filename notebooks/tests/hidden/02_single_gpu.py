@@ -69,7 +69,7 @@ def _full_batch(n, seed, optimizer, steps, lr):
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return {"losses": losses, "weights": _weights(model)}
 
 
