@@ -133,7 +133,7 @@ class Student:
 
 
 class LocalStudent(Student):
-    """The student's function in this process (the notebook's `ex.check`, the legacy in-process runner)."""
+    """The student's function in this process (the notebook's `ex.check`)."""
 
     def __init__(self, fn: Callable, exercise: str | None = None):
         super().__init__(exercise or getattr(fn, "__name__", "exercise"))
