@@ -10,20 +10,20 @@ from labkit.course.exercises import ANY, Tensor, case, reference
 from labkit.course.exercises.expect import conform
 
 
-def _llama():
+def _llama(blocks=2, width=32, vocab=64, seed=0):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                        tie_word_embeddings=False))
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
+                                        num_hidden_layers=blocks, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=32, tie_word_embeddings=False))
 
 
-def _tokens(rank):
+def _tokens(rank, vocab=64, length=9, seed=100):
     import torch
 
-    return torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(100 + rank))
+    return torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(seed + rank))
 
 
 def _loss(model, tokens):

@@ -2,6 +2,9 @@
 
 Expected values are computed here, in the grader's process (`reference`), on unsharded models."""
 from labkit.course.exercises import Tensor, case, reference
+from labkit.course.exercises.cases import visible_twin
+
+visible = visible_twin(__labkit_test_file__)  # noqa: F821 - set by the test loader
 
 #: What the hidden tests vary, per exercise: `ex.check` and `labkit check` show this line, nothing else.
 VARIES = {
@@ -35,20 +38,15 @@ MUTANTS = {
 }
 
 
-def _three_blocks():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+_llama, _llama_tokens = visible._llama, visible._tokens  # shipped by value with the harness below
 
-    torch.manual_seed(1)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                        tie_word_embeddings=False))
+
+def _three_blocks():
+    return _llama(blocks=3, width=48, vocab=96, seed=1)
 
 
 def _tokens(rank):
-    import torch
-
-    return torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(7 + rank))
+    return _llama_tokens(rank, vocab=96, length=7, seed=7)
 
 
 def _grads(world):
