@@ -22,10 +22,7 @@ OPS = ("ShareMemCommBuilder", "CPUAdamBuilder")
 
 def build(ops: tuple[str, ...] = OPS) -> list[str]:
     """Build (or find already built) each op of `ops` for DeepSpeed's CPU accelerator; their names."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from labkit import quiet
-
-    quiet.install()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # labkit's import already quietened third-party noise
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
