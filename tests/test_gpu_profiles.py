@@ -37,7 +37,7 @@ def test_every_lab_run_of_every_profile_resolves_and_fits(name):
         assert not sized
     if profile.nproc > 1:  # the multi-GPU labs are in the table, with their precision stated
         labs = {i.lab for i in items}
-        assert {"03_ddp", "04_fsdp", "05_zero", "07_model_parallel", "08_profiling"} <= labs
+        assert {"03_ddp", "04_fsdp", "05_zero", "07_model_parallel", "08_profiling_and_stacking", "09_beyond_3d"} <= labs
 
 
 def test_a_profile_that_would_oom_fails_with_the_bytes():
@@ -97,8 +97,8 @@ def test_single_gpu_llm_baselines_are_sized_from_the_estimator():
 def test_explicit_precision_per_run_in_02_and_04():
     for name in ("a100x4", "v100x4", "smoke-bf16"):
         runs = {(lab, label): opts for lab, label, _s, _m, opts in pc.lab_runs(get_profile(name))}
-        assert runs[("02_single", "baseline")]["amp"] == "none"
-        assert runs[("02_single", "amp")]["amp"] == pc.amp_of(get_profile(name))
+        assert runs[("02_single_gpu", "baseline")]["amp"] == "none"
+        assert runs[("02_single_gpu", "amp")]["amp"] == pc.amp_of(get_profile(name))
         if ("04_fsdp", "fsdp-grad-op") in runs:
             assert runs[("04_fsdp", "fsdp-grad-op")]["amp"] == "none"
 

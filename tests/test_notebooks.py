@@ -135,7 +135,7 @@ def check_timeline(steps, hours):
 def test_three_hour_plan_runs_every_lab_in_order_and_saves_in_time():
     steps = lp.plan_lease(3.0, "a100x4")
     check_timeline(steps, 3.0)
-    assert lab_steps(steps) == ["02", "03", "04", "05", "06", "07", "08"]
+    assert lab_steps(steps) == ["02", "03", "04", "05", "06", "07", "08", "09"]
     assert all(isinstance(s, tuple) and len(s) == 4 for s in steps)  # (start_min, end_min, what, why)
 
 
@@ -146,8 +146,8 @@ def test_two_blocks_split_the_labs_by_gpu_count_and_overflow_to_an_overnight_blo
     for steps in (single, multi, night):
         check_timeline(steps, 2.0)
     assert lab_steps(single) == ["02", "06"]
-    # launch + setup + downloads leave room for three of the five multi-GPU labs in a 2-hour block
-    assert lab_steps(multi) + lab_steps(night) == ["03", "04", "05", "07", "08"]
+    # launch + setup + downloads leave room for three of the six multi-GPU labs in a 2-hour block
+    assert lab_steps(multi) + lab_steps(night) == ["03", "04", "05", "07", "08", "09"]
     assert lab_steps(multi) == ["03", "04", "05"]
     assert len(lp.plan_two_blocks(3.0)) == 2  # 3-hour blocks need no third
 

@@ -53,18 +53,30 @@ class NotebookRun:
     ename: str = ""
     evalue: str = ""
     traceback: str = ""
+    rehearsal_log: Path | None = None
+    """A rehearsal's log (`labkit.course.rehearse`): every run sized, every CUDA call recorded."""
+    profile: str = ""
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
 
+    def cells(self) -> dict[int, int]:
+        """{execution count: source cell index} of the executed copy (`source_cells`)."""
+        return source_cells(self.output)
+
     def describe(self) -> str:
         """One line naming the notebook, and for a failure the cell, the error and the executed copy."""
+        kind = f"rehearsal {self.profile} " if self.rehearsal_log else ""
         if self.ok:
-            return f"{self.name}: ok in {self.seconds:.1f} s"
+            return f"{self.name}: {kind}ok in {self.seconds:.1f} s"
         where = "before any cell ran" if self.cell is None else f"at cell {self.cell} (In [{self.exec_count}])"
         copy = f"executed copy with the traceback: {self.output}" if self.output.exists() else "no executed copy"
-        return f"{self.name}: failed {where}: {self.ename}: {self.evalue} ({copy})"
+        found = ""
+        if self.rehearsal_log and self.ename != "RehearsalError":  # a run the node could not hold, caught by
+            from labkit.course import rehearse                   # the notebook, explains a later error
+            found = "".join(f"; {line}" for line in rehearse.problems(self.rehearsal_log, self.cells())[:1])
+        return f"{self.name}: {kind}failed {where}: {self.ename}: {self.evalue}{found} ({copy})"
 
 
 # ---------------------------------------------------------------- writing notebooks
@@ -168,10 +180,29 @@ def _failing_cell(output: Path, exec_index: int | None) -> tuple[int | None, int
     return max(source_index, 0), cells[exec_index].get("execution_count")
 
 
+def source_cells(executed: str | os.PathLike) -> dict[int, int]:
+    """{execution count: source cell index} of an executed copy (papermill's injected cell skipped)."""
+    import nbformat
+
+    if not Path(executed).is_file():
+        return {}
+    nb = nbformat.read(executed, as_version=4)
+    out, injected = {}, 0
+    for i, cell in enumerate(nb.cells):
+        if INJECTED_TAG in _tags(cell):
+            injected += 1
+        elif cell.cell_type == "code" and cell.get("execution_count") is not None:
+            out[cell["execution_count"]] = i - injected
+    return out
+
+
 def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: str | os.PathLike = "build/executed",
                  timeout_s: float = DEFAULT_TIMEOUT_S, kernel: str = KERNEL,
-                 parameters: Mapping[str, Any] | None = None) -> NotebookRun:
-    """Execute one notebook with papermill in its own folder, keeping the executed copy in `out_dir`."""
+                 parameters: Mapping[str, Any] | None = None, rehearse: bool = False) -> NotebookRun:
+    """Execute one notebook with papermill in its own folder, keeping the executed copy in `out_dir`.
+
+    `rehearse`: the profile's notebook on this machine's CPU (`labkit.rehearsal`, docs/gpu-node.md);
+    the log of its runs and CUDA calls goes beside the executed copy (`<name>.rehearsal.jsonl`)."""
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
@@ -185,9 +216,15 @@ def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: st
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)  # a copy left by an earlier run must not pass for this run's
     fail: dict[str, Any] = {}
+    env = {"MPLBACKEND": "Agg"}  # no GUI windows from matplotlib in a headless kernel
+    log = None
+    if rehearse:
+        from labkit.course import rehearse as rehearsal_log
+        log = out.with_suffix(".rehearsal.jsonl")
+        env.update(rehearsal_log.environment(log))
     start = time.perf_counter()
     try:
-        with _environ(MPLBACKEND="Agg"):  # no GUI windows from matplotlib in a headless kernel
+        with _environ(**env):
             papermill.execute_notebook(str(src), str(out), parameters=params, kernel_name=kernel,
                                        cwd=str(src.parent), progress_bar=False,
                                        execution_timeout=timeout_s)
@@ -197,18 +234,26 @@ def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: st
         fail = dict(index=None, ename=type(exc).__name__, evalue=str(exc).strip().splitlines()[0] if str(exc) else "",
                     tb=str(exc))
     seconds = time.perf_counter() - start
+    if not fail and log is not None:  # the notebook handled an OOM the node would hit on a run that must fit
+        from labkit.course import rehearse as rehearsal_log
+        cells = source_cells(out)
+        found = rehearsal_log.problems(log, cells)
+        if found:
+            return NotebookRun(src.stem, "failed", seconds, out, cell=rehearsal_log.problem_cell(log, cells),
+                               ename="RehearsalError", evalue=found[0], rehearsal_log=log, profile=profile)
     if not fail:
-        return NotebookRun(src.stem, "ok", seconds, out)
+        return NotebookRun(src.stem, "ok", seconds, out, rehearsal_log=log, profile=profile)
     cell, count = _failing_cell(out, fail["index"]) if out.exists() else (None, None)
     return NotebookRun(src.stem, "failed", seconds, out, cell=cell, exec_count=count, ename=fail["ename"],
-                       evalue=_ANSI.sub("", fail["evalue"]), traceback=_ANSI.sub("", fail["tb"]))
+                       evalue=_ANSI.sub("", fail["evalue"]), traceback=_ANSI.sub("", fail["tb"]),
+                       rehearsal_log=log, profile=profile)
 
 
 def run_notebooks(names: Sequence[str] | None = None, *, profile: str = "smoke",
                   out_dir: str | os.PathLike = "build/executed", timeout_s: float = DEFAULT_TIMEOUT_S,
                   kernel: str = KERNEL, parameters: Mapping[str, Any] | None = None,
                   notebook_dir: str | os.PathLike | None = None,
-                  progress: Callable[[str], None] | None = None) -> list[NotebookRun]:
+                  progress: Callable[[str], None] | None = None, rehearse: bool = False) -> list[NotebookRun]:
     """Run every named notebook (all of `notebooks/` by default), never stopping at a failure."""
     paths = find_notebooks(names, notebook_dir)
     get_profile(profile)  # fail before the first kernel starts
@@ -217,7 +262,7 @@ def run_notebooks(names: Sequence[str] | None = None, *, profile: str = "smoke",
         if progress:
             progress(f"running {path.stem} (profile {profile}) ...")
         runs.append(run_notebook(path, profile=profile, out_dir=out_dir, timeout_s=timeout_s,
-                                 kernel=kernel, parameters=parameters))
+                                 kernel=kernel, parameters=parameters, rehearse=rehearse))
         if progress:
             progress(runs[-1].describe())
     return runs

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from labkit import device as devices
 from labkit.errors import ConfigError
 from labkit.parallel import comm, loading
 from labkit.parallel.deepspeed_bytes import (count_bytes, ds_grad_tensors, ds_optimizer_tensors, ds_param_tensors,
@@ -189,7 +190,7 @@ class ZeroStrategy(Strategy):
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
         numel = sum(p.numel() for p in model.parameters())
         self.config = ds_config(self.cfg, self.stage, self.offload, dp=self.dp_size, hidden=hidden, numel=numel,
-                                gpu=self.ctx.device.type == "cuda", cast_buffers=self.task.kind == "vision")
+                                gpu=devices.is_gpu(self.ctx.device), cast_buffers=self.task.kind == "vision")
         if self.ctx.is_main:
             self.config_path = write_config(self.config, self.cfg.run.out, self.name)
         self.engine, self.ds_optimizer = apply_zero(model, self.ctx.group, cfg=self.cfg, config=self.config)
@@ -249,7 +250,7 @@ class ZeroStrategy(Strategy):
                                             ds_optimizer_tensors(self.ds_optimizer)], self.ctx.device)
         grads = max(grads, self._grad_peak, key=sum)
         params = max(params, self._param_peak, key=sum)
-        if self.ctx.device.type == "cpu":
+        if not devices.is_gpu(self.ctx.device):
             offload = sum(params) + sum(grads) + sum(optim) if self.offload else 0
             return ResidentBytes(sum(params), sum(grads), sum(optim), offload)
         return ResidentBytes(params[0], grads[0], optim[0], params[1] + grads[1] + optim[1])
@@ -278,7 +279,7 @@ class ZeroStrategy(Strategy):
                         ds_config=str(self.config_path or Path(self.cfg.run.out) / f"ds_config_{self.name}.json"),
                         ds_optimizer=type(self.optimizer).__name__),
                     memory=MemoryFacts(offload=bool(self.offload), master_copy_bytes=sum(master),
-                                       offload_physical=bool(self.offload) and self.ctx.device.type != "cpu"),
+                                       offload_physical=bool(self.offload) and devices.is_gpu(self.ctx.device)),
                     comm=CommFacts.of(comm_bytes_per_step(self.stage, param_bytes, self.dp_size)))
 
     # ------------------------------------------------------------------ checkpoint / teardown

@@ -40,6 +40,8 @@ COMM_FILE_ENV = "LABKIT_COMM_FILE"
 DEFAULT_SIZES = "1K,16K,256K,4M,16M"
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 _ELEMENT = 4  # fp32
+#: Largest message a rehearsal's CPU ranks time (labkit.rehearsal): the node's 1G would take minutes on gloo.
+REHEARSAL_MAX_BYTES = 2**20
 
 
 def ring_factor(n: int) -> float:
@@ -125,10 +127,9 @@ def _call(op: str, inp, out, group) -> None:
 
 
 def _sync(device) -> None:
-    import torch
+    from labkit import device as devices
 
-    if device.type == "cuda":  # GPU path (unverified on hardware here): kernels run async on the stream
-        torch.cuda.synchronize(device)
+    devices.synchronize(device)  # GPU path (unverified on hardware here): kernels run async on the stream
 
 
 def time_collective(op: str, nbytes: int, *, group, device, warmup: int, iters: int) -> float:
@@ -186,14 +187,18 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    from labkit import device as devices, rehearsal
+
     # NCCL needs one GPU per local rank; fewer GPUs than ranks (or none) measure gloo on the CPU.
-    gpu = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpu = len(devices.gpus()) >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if gpu else "gloo")
     try:
-        rows = run_rank(a.ops.split(","), parse_sizes(a.sizes, dist.get_world_size()), warmup=a.warmup,
-                        iters=a.iters)
+        sizes = parse_sizes(a.sizes, dist.get_world_size())
+        if rehearsal.active():  # CPU ranks standing in for the node: its message sizes, capped (not measured)
+            sizes = sorted({min(s, REHEARSAL_MAX_BYTES) for s in sizes})
+        rows = run_rank(a.ops.split(","), sizes, warmup=a.warmup, iters=a.iters)
         if dist.get_rank() == 0:
             print(f"wrote {save(rows, a.out, warmup=a.warmup, iters=a.iters)}")
     finally:
