@@ -15,7 +15,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(BUILD)/torch_extensions
 export MPLBACKEND := Agg
 PYTEST_ARGS ?=
 
-.PHONY: lab test smoke venv kernel clean-notebooks clean bench slides chromium bubblewrap
+.PHONY: lab test smoke rehearse venv kernel clean-notebooks clean bench slides chromium bubblewrap
 
 $(BIN)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 1; }
@@ -42,6 +42,11 @@ test: venv chromium bubblewrap
 
 smoke: venv
 	$(BIN)/labkit notebooks run --profile smoke --out $(BUILD)/executed
+
+# The week before class, on any machine: every notebook as PROFILE's node runs it, on CPU (docs/gpu-node.md).
+PROFILE ?= a100x4
+rehearse: venv
+	$(BIN)/labkit notebooks run --profile $(PROFILE) --rehearse --out $(BUILD)/rehearsed/$(PROFILE)
 
 bench: venv
 	for f in bench/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done

@@ -44,11 +44,11 @@ class _StandIn:
     memory_bytes: int = 0
     gpus: int = 0
     local_rank: int = 0
-    simulated_peak: int = 0
-    """Bytes the stand-in allocator reports as the peak: the estimate of the run being rehearsed."""
 
 
 _STAND_IN: _StandIn | None = None
+#: Bytes the stand-in allocator reports as the peak: the estimate of the run being rehearsed.
+_SIMULATED_PEAK = 0
 
 
 def standing_in() -> bool:
@@ -339,7 +339,7 @@ def max_memory_allocated(device: torch.device | str) -> int:
     """The allocator's peak bytes; rehearsal: the estimate of the run at its real size (not a measurement)."""
     if standing_in() and is_gpu(device):
         record("max_memory_allocated", device=logical(device))
-        return _STAND_IN.simulated_peak
+        return _SIMULATED_PEAK
     return int(torch.cuda.max_memory_allocated(device)) if torch.device(device).type == "cuda" else 0
 
 
@@ -351,8 +351,8 @@ def memory_allocated(device: torch.device | str) -> int:
 
 def simulate_peak(nbytes: int) -> None:
     """Rehearsal: the bytes `max_memory_allocated` reports for the run about to execute."""
-    if _STAND_IN is not None:
-        _STAND_IN.simulated_peak = int(nbytes)
+    global _SIMULATED_PEAK
+    _SIMULATED_PEAK = int(nbytes)
 
 
 def memory_summary(device: torch.device | str) -> str:

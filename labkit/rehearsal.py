@@ -15,12 +15,12 @@ precision), so notebook code takes every branch it takes on the node. Each run (
    runs is kept by hand;
 2. **executed as a stand-in** (`labkit.train.stand_in`): the same strategy, world size, options and
    precision (fp16 on V100 runs as fp16: CPU autocast and GradScaler support it), with a tiny model of
-   the same family and layer structure (`llm_config`, `vision`: layers, heads, experts kept; widths
-   shrunk), short sequences / small images, the smallest batch that splits the same way and `STEPS`
-   steps. Data and weights resolve as on the node (cached -> used, missing -> the node's own fallback
-   or error). A multi-rank run executes rank 0's code (and the last rank's, for pipelines) in this
-   process over torch's fake process group: no communication, real sizes, shapes, devices and code
-   paths. `labkit.device` records every CUDA call instead of making it.
+   the same family and layer structure (`llm_config`, `vision`: the same layer with its heads and
+   experts, shrunk widths, at most MAX_LAYERS deep), short sequences / small images, the smallest batch
+   that splits the same way and `STEPS` steps. Data and weights resolve as on the node (cached -> used,
+   missing -> the node's own fallback or error). A multi-rank run executes rank 0's code (and the last
+   rank's, for pipelines) in this process over torch's fake process group: no communication, real
+   sizes, shapes, devices and code paths. `labkit.device` records every CUDA call instead of making it.
 
 A lesson that runs out of memory on purpose (04's DDP run of Llama-2-7B, 06's full fine-tunes under
 the 24 GB cap) says so with `with may_oom():` around the run; any other run that would not fit fails
@@ -51,6 +51,9 @@ SEQ_LEN = 32
 IMAGE_SIZE = 16
 #: Attention head width of a stand-in LLM (hidden = heads x HEAD_DIM; rotary needs it even).
 HEAD_DIM = 4
+#: Decoder layers of a stand-in LLM: enough for an interleaved pipeline over 4 GPUs (2 chunks per stage);
+#: a deeper stand-in only costs time (every layer is Python and dispatch overhead on a CPU).
+MAX_LAYERS = 8
 #: A stand-in ResNet's bottleneck width per group (torchvision's is 64): the 3x3 convolutions shrink 8x.
 RESNET_WIDTH = 8
 #: Vocabulary of a stand-in for a preset (its text data is UTF-8 bytes); a checkpoint keeps its tokenizer's.
@@ -115,11 +118,13 @@ def compile_backend() -> str:
 
 # ------------------------------------------------------------------------------------ stand-in models
 def llm_config(config, *, keep_vocab: bool):
-    """A tiny config of the same family and layer structure: layers, attention and key/value heads and
-    experts kept (pipeline splits, TP divisibility and expert placement hold as on the node), widths
-    shrunk to HEAD_DIM per head; the vocabulary shrinks to bytes unless a tokenizer's ids must fit."""
+    """A tiny config of the same family and layer structure: the same decoder layer (attention and
+    key/value heads, MLP, norms, experts: TP divisibility and expert placement hold as on the node) with
+    widths shrunk to HEAD_DIM per head, at most MAX_LAYERS of them; the vocabulary shrinks to bytes
+    unless a tokenizer's ids must fit."""
     heads = config.num_attention_heads
-    changes = dict(hidden_size=heads * HEAD_DIM, intermediate_size=2 * heads * HEAD_DIM, head_dim=HEAD_DIM)
+    changes = dict(hidden_size=heads * HEAD_DIM, intermediate_size=2 * heads * HEAD_DIM, head_dim=HEAD_DIM,
+                   num_hidden_layers=min(config.num_hidden_layers, MAX_LAYERS))
     if not keep_vocab:
         changes["vocab_size"] = min(config.vocab_size, BYTE_VOCAB)
     if config.hidden_size <= changes["hidden_size"]:

@@ -169,12 +169,19 @@ def test_a_stand_in_keeps_strategy_ranks_and_precision_and_shrinks_the_rest(rehe
     assert small.run.steps == rehearsal.STEPS and small.run.seq_len == rehearsal.SEQ_LEN
     assert cfg.optim.batch % small.optim.batch == 0 and small.optim.batch % 8 == 0
     from labkit.models import build_model, llm_config
-    tiny = llm_config("tinyllama-1.1b")  # the same layers and heads, tiny widths
-    assert (tiny.num_hidden_layers, tiny.num_attention_heads, tiny.num_key_value_heads) == (22, 32, 4)
+    tiny = llm_config("tinyllama-1.1b")  # the same decoder layer, at most MAX_LAYERS of them, tiny widths
+    assert (tiny.num_hidden_layers, tiny.num_attention_heads, tiny.num_key_value_heads) == (rehearsal.MAX_LAYERS, 32, 4)
     assert tiny.hidden_size == 32 * rehearsal.HEAD_DIM
     resnet = build_model("resnet50")
     assert [len(layer) for layer in (resnet.layer1, resnet.layer2, resnet.layer3, resnet.layer4)] == [3, 4, 6, 3]
     assert sum(p.numel() for p in resnet.parameters()) < 5_000_000
+
+
+def test_spawn_on_a_gpu_profile_refuses_more_ranks_than_the_node_has_gpus():
+    from labkit.course.exercises import ExerciseError, spawn
+
+    with pytest.raises(ExerciseError, match="world=2.*'a100x1'.*1 GPU"):
+        spawn(print, world=2, profile="a100x1")
 
 
 def test_expect_reports_in_a_rehearsal_and_asserts_elsewhere(monkeypatch, capsys):

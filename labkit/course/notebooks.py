@@ -70,7 +70,8 @@ class NotebookRun:
         kind = f"rehearsal {self.profile} " if self.rehearsal_log else ""
         if self.ok:
             return f"{self.name}: {kind}ok in {self.seconds:.1f} s"
-        where = "before any cell ran" if self.cell is None else f"at cell {self.cell} (In [{self.exec_count}])"
+        where = "before any cell ran" if self.cell is None else f"at cell {self.cell}" + (
+            f" (In [{self.exec_count}])" if self.exec_count is not None else "")
         copy = f"executed copy with the traceback: {self.output}" if self.output.exists() else "no executed copy"
         found = ""
         if self.rehearsal_log and self.ename != "RehearsalError":  # a run the node could not hold, caught by

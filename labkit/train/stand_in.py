@@ -57,9 +57,10 @@ def fix(cfg) -> str:
     return "lower the batch, add accum=2 (same global batch) or amp"
 
 
-def check_launch(cfg, *, via: str = "run") -> None:
+def check_launch(cfg, *, via: str = "run", launched: bool = False) -> None:
     """Rehearsal: size `cfg` (resolved, real size) on its profile, log it, and raise what the node would
-    for a run it cannot hold. Outside a rehearsal: nothing."""
+    for a run it cannot hold: CUDA out of memory in this process, or for a `launched` run the launcher's
+    LaunchError naming the rank that ran out of memory. Outside a rehearsal: nothing."""
     if not rehearsal.active():
         return
     from labkit.memory.runs import HEADROOM
@@ -80,9 +81,13 @@ def check_launch(cfg, *, via: str = "run") -> None:
                              "more GPUs (e.g. smoke's CPU ranks) on one-GPU nodes")
     if not verdict["fits"]:
         cap = f"{cfg.memory.memory_cap_gb:g} GB cap" if cfg.memory.memory_cap_gb else f"{profile.gpu_memory_gb:g} GB {profile.gpu_name}"
-        raise devices.RehearsalOOM(f"CUDA out of memory (rehearsal {profile.name}): run {what} needs "
+        oom = devices.RehearsalOOM(f"CUDA out of memory (rehearsal {profile.name}): run {what} needs "
                                    f"~{verdict['bytes'] / 1e9:.1f} GB per GPU (estimate) > {HEADROOM:.0%} of the {cap}; "
                                    f"fix: {fix(cfg)}")
+        if launched:  # on the node the ranks die of it and the launcher reports the first
+            raise LaunchError(f"labkit.train.worker failed on rank 0: torch.OutOfMemoryError: {oom}", rank=0,
+                              traceback=f"torch.OutOfMemoryError: {oom}") from oom
+        raise oom
     devices.simulate_peak(verdict["bytes"] or 0)
 
 
@@ -162,7 +167,7 @@ def launch(configs: list, *, first=None, env: dict | None = None, train_all=None
     world, profile = first.world_size, get_profile(first.run.profile)
     ranks = [0] + ([world - 1] if world > 1 and any(_staged(c) for c in configs) else [])
     for rank in ranks:
-        with _rank_environment(rank, world, env or {}):
+        with rank_environment(rank, world, env or {}):
             try:
                 device, group = devices.join_group(profile, rank, world, local_rank=rank, fake=True)
                 ctx = DistContext(rank=rank, world_size=world, local_rank=rank, device=device, group=group)
@@ -173,7 +178,7 @@ def launch(configs: list, *, first=None, env: dict | None = None, train_all=None
                                   f"of {world} ran in this process over the fake process group)", rank=rank,
                                   traceback=_format(exc)) from exc
             finally:
-                _teardown()
+                teardown()
 
 
 def _train_each(configs: list, ctx) -> None:
@@ -196,7 +201,7 @@ def _format(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _rank_environment(rank: int, world: int, env: dict):
+def rank_environment(rank: int, world: int, env: dict):
     """What torchrun puts in a rank's environment (DeepSpeed reads it), restored afterwards."""
     values = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "DS_ACCELERATOR": "cpu", **env}
@@ -212,7 +217,7 @@ def _rank_environment(rank: int, world: int, env: dict):
                 os.environ[key] = old
 
 
-def _teardown() -> None:
+def teardown() -> None:
     """Leave no process group behind (also DeepSpeed's cached handle to it)."""
     import gc
 

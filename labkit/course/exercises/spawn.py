@@ -107,6 +107,35 @@ def _check_gpus(profile: str, world: int) -> None:
                             f"rank; use world={prof.nproc} or fewer")
 
 
+def _rehearse(fn: Callable, world: int, args: tuple, profile: str | None) -> list | None:
+    """A rehearsal's spawn (labkit.rehearsal). With a profile: every rank's `fn` in turn in this process,
+    over torch's fake process group, on the device the node gives it (`labkit.device.join_group`, which
+    records cuda:r and nccl). Without one the ranks are CPU processes on every profile -- nothing differs
+    from the smoke run that executes them -- so a rehearsal skips them: the cell sees "not attempted"."""
+    from labkit import device as devices
+    from labkit.profiles import get_profile
+    from labkit.train import stand_in
+
+    name = getattr(fn, "__name__", repr(fn))
+    if profile is None:
+        print(f"rehearsal: spawn({name}) runs CPU ranks on every profile, as in smoke; not re-run here")
+        return None
+    results = []
+    for rank in range(world):
+        with stand_in.rank_environment(rank, world, {}):
+            try:
+                devices.join_group(get_profile(profile), rank, world, local_rank=rank, fake=True)
+                results.append(fn(rank, world, *args))
+            except Exception as exc:  # noqa: BLE001 - reported like a failed rank
+                import traceback
+                raise ExerciseError(f"rank {rank} raised {type(exc).__name__}: {exc}", rank=rank,
+                                    traceback=traceback.format_exc(),
+                                    not_attempted=isinstance(exc, NotImplementedError)) from exc
+            finally:
+                stand_in.teardown()
+    return results
+
+
 #: Launches tried when the rendezvous port was taken before rank 0 bound it.
 _PORT_TRIES = 3
 
@@ -135,6 +164,9 @@ def spawn(fn: Callable, world: int = 2, args: tuple = (), timeout: float = DEFAU
         raise ValueError(f"spawn timeout={timeout!r}; it must be > 0 seconds")
     if profile is not None:
         _check_gpus(profile, world)
+    from labkit import rehearsal
+    if rehearsal.active():
+        return _rehearse(fn, world, tuple(args), profile)
     name = getattr(fn, "__name__", repr(fn))
     with tempfile.TemporaryDirectory(prefix="labkit-spawn-") as tmp:
         work = Path(tmp)
