@@ -91,7 +91,7 @@ def _rehearse(strategy: str, model: str, path: Path, *, profile: str, nproc: int
     plugin = resolve_plugin(path)
     devices.record("accelerate_launch", command=launch_command(path.name, ["--strategy", strategy]), plugin=plugin)
     rec = train_run(strategy, model, profile=profile, nproc=nproc, steps=steps, out=out, seed=seed, stream=False,
-                    progress=False)
+                    progress=False, rehearse_as="accelerate")  # sized like the node's run; not a labkit lab run
     facts = {"requested_fsdp": True, "distributed_type": "FSDP", "wrapper": "FullyShardedDataParallel",
              "fsdp_effective": True, "silently_replaced": False, "mixed_precision": plugin["mixed_precision"]}
     record = dataclasses.replace(rec, strategy=record_name(facts, strategy), accelerate=AccelerateFacts(

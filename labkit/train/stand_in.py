@@ -30,8 +30,9 @@ _BOOKKEEPING = {"out", "run_id", "progress", "data", "seed", "steps", "deadline"
 def describe(cfg) -> str:
     """'ddp tinyllama-1.1b x4 (amp bf16, batch 16 x 1024)': a run in one phrase."""
     shape = f"{cfg.optim.batch} x {cfg.run.seq_len}" if cfg.kind == "llm" else f"{cfg.optim.batch} x {cfg.run.image_size}px"
-    extra = [f"{k} {v}" for k, v in (("accum", cfg.optim.accum), ("checkpointing", cfg.memory.checkpointing),
-                                     ("cap", cfg.memory.memory_cap_gb)) if v not in (1, False, None)]
+    extra = ([f"accum {cfg.optim.accum}"] if cfg.optim.accum > 1 else []) + \
+        (["checkpointing"] if cfg.memory.checkpointing else []) + \
+        ([f"cap {cfg.memory.memory_cap_gb:.3g} GB"] if cfg.memory.memory_cap_gb else [])
     return f"{cfg.run.strategy} {cfg.run.model} x{cfg.world_size} (amp {cfg.precision.amp}, batch {shape}" + \
         "".join(f", {e}" for e in extra) + ")"
 
