@@ -54,7 +54,8 @@ HEAD_DIM = 4
 #: Decoder layers of a stand-in LLM: enough for an interleaved pipeline over 4 GPUs (2 chunks per stage);
 #: a deeper stand-in only costs time (every layer is Python and dispatch overhead on a CPU).
 MAX_LAYERS = 8
-#: A stand-in ResNet's bottleneck width per group (torchvision's is 64): the 3x3 convolutions shrink 8x.
+#: A stand-in ResNet's bottleneck width per group (torchvision's is 64): the 3x3 convolutions shrink 8x;
+#: its blocks' outputs are 1x their planes, not 4x (the 1x1 convolutions shrink 4x).
 RESNET_WIDTH = 8
 #: Vocabulary of a stand-in for a preset (its text data is UTF-8 bytes); a checkpoint keeps its tokenizer's.
 BYTE_VOCAB = 256
@@ -139,7 +140,11 @@ def vision(name: str, spec: dict):
 
     if name != "resnet50":
         return None  # tiny presets are their own stand-in
-    return ResNet(Bottleneck, list(spec["layers"]), num_classes=spec["num_classes"], width_per_group=RESNET_WIDTH)
+
+    class StandInBottleneck(Bottleneck):  # still a Bottleneck (checkpointing and wrapping find it); 1x, not 4x, wide out
+        expansion = 1
+
+    return ResNet(StandInBottleneck, list(spec["layers"]), num_classes=spec["num_classes"], width_per_group=RESNET_WIDTH)
 
 
 # ------------------------------------------------------------------------------------ record keeping

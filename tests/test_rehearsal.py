@@ -11,6 +11,7 @@ Adding a profile to `make test`'s rehearsal is one line: `REHEARSED`.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import nbformat
@@ -326,3 +327,66 @@ def test_the_manifest_holds_every_rehearsed_profile_and_lab_runs_reads_it():
     assert ("09_beyond_3d", "single") in v100  # lab 09's dense run, which the hand-kept list missed
     with pytest.raises(Exception, match="rehearse its notebooks once"):
         rehearse.manifest_rows("t4x9")
+
+
+# ------------------------------------------------------------------------------------ bf16 over real ranks
+#: What the smoke-bf16 notebook runs executed that neither a rehearsal nor another test does: bf16
+#: training with real communication (a rehearsal runs rank 0 over the fake group, no communication)
+#: for every strategy a lab trains in bf16 on several ranks. Covered elsewhere: fsdp bf16
+#: (tests/test_fsdp.py's sweep), zero2 bf16 (tests/test_gpu_paths.py), single-rank bf16 (tests/test_train.py,
+#: 02/06 in smoke: their AMP runs are bf16 on every profile). The a100x4 rehearsal takes every bf16
+#: branch of the notebooks themselves, which replaced the smoke-bf16 notebook runs (tests/test_notebooks.py).
+BF16_RANKS = 2
+BF16_RUNS = [("ddp", {}), ("zero1", {}), ("zero3", {}), ("zero3-offload", {}), ("fsdp-grad-op", {}),
+             ("tensor-fsdp", {}), ("pipeline-gpipe", {"microbatches": 4}), ("pipeline-1f1b", {"microbatches": 4}),
+             ("pipeline-interleaved", {"microbatches": 4}), ("pipeline-zero-bubble", {"microbatches": 4}),
+             ("context-parallel", {}), ("fsdp-qlora", {}), ("expert-parallel", {"model": "tiny-moe"})]
+
+
+@pytest.mark.slow
+def test_every_strategy_a_lab_trains_in_bf16_communicates_over_real_ranks(tmp_path):
+    from labkit.train.many import run_many
+
+    records = run_many(BF16_RUNS, "tiny-llama", nproc=BF16_RANKS, out=str(tmp_path), amp="bf16", steps=2,
+                       batch=8, progress=False, stream=False)
+    by_name = {f"{s}{'-' + o['model'] if 'model' in o else ''}": r for (s, o), r in zip(BF16_RUNS, records)}
+    for name, rec in by_name.items():
+        assert rec.dtype == "bfloat16" and rec.world_size == BF16_RANKS, name
+        assert len(rec.losses) == 2 and all(map(math.isfinite, rec.losses)), (name, rec.losses)
+    # Same weights and batch: every dense run's first loss (before any update) is DDP's, to bf16 precision
+    # (lab 07's tolerance); after one step they may differ by what each strategy rounds in bf16.
+    ref = by_name["ddp"].losses[0]
+    for name, rec in by_name.items():
+        if name not in ("ddp", "expert-parallel-tiny-moe", "fsdp-qlora"):  # other model / quantized base
+            assert rec.losses[0] == pytest.approx(ref, rel=0.02), (name, rec.losses[0], ref)
+
+
+# ------------------------------------------------------------------------------------ the preflight
+def test_a_second_preflight_in_the_same_folder_never_reads_the_first_ones_records(tmp_path, monkeypatch):  # finding 5
+    from labkit.course import preflight
+    from labkit.errors import LaunchError
+
+    plan = [("ddp", "tinyllama-1.1b", {}), ("single", "resnet50", {}), ("fsdp", "tinyllama-1.1b", {"amp": "bf16"})]
+    first, second = preflight.launched_runs(plan), preflight.launched_runs(plan)
+    assert [s for s, _ in first] == ["ddp", "fsdp"]
+    assert not {o["run_id"] for _, o in first} & {o["run_id"] for _, o in second}
+
+    def dies(*args, **kwargs):  # the node's launch fails before any record is written
+        raise LaunchError("rank 0 died")
+
+    monkeypatch.setattr("labkit.train.many.run_many", dies)
+    checks = preflight._train_many(get_profile("a100x4"), second, dict(out=str(tmp_path)), tmp_path)
+    assert [(c.strategy, c.status) for c in checks] == [("ddp", "failed"), ("fsdp", "failed")]
+
+
+def test_the_preflight_trains_every_precision_and_cap_the_labs_use(monkeypatch):  # finding 9
+    from labkit.course import preflight, profile_check
+
+    runs = [("04", "fsdp", "fsdp", "tinyllama-1.1b", {"amp": "none", "nproc": 4}),
+            ("04", "fsdp-bf16", "fsdp", "tinyllama-1.1b", {"amp": "bf16", "nproc": 4}),
+            ("05", "fsdp", "fsdp", "tinyllama-1.1b", {"amp": "bf16", "nproc": 4}),
+            ("06", "lora", "lora", "tinyllama-1.1b", {"amp": "bf16", "nproc": 1}),
+            ("06", "lora 24 GB", "lora", "tinyllama-1.1b", {"amp": "bf16", "memory_cap_gb": 24.0, "nproc": 1})]
+    monkeypatch.setattr(profile_check, "lab_runs", lambda profile: runs)
+    planned = [(s, o.get("amp"), o.get("memory_cap_gb")) for s, _, o in preflight.runs_for(get_profile("a100x4"))]
+    assert planned == [("fsdp", "none", None), ("fsdp", "bf16", None), ("lora", "bf16", None), ("lora", "bf16", 24.0)]

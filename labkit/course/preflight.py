@@ -19,6 +19,7 @@ import datetime as _dt
 import json
 import math
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,11 +66,21 @@ def runs_for(profile: Profile) -> list[tuple[str, str, dict]]:
     if profile.device == "cpu":
         return [(name, parallel.strategy_class(name).example_model or profile.llm_model, {})
                 for name in parallel.STRATEGIES]
-    seen: dict[tuple[str, str], dict] = {}
+    # One run per (strategy, model, precision, memory cap): bf16 FSDP2 beside fp32 FSDP, fp16 on V100 and
+    # 06's capped LoRA/QLoRA each train here (issue #25, finding 9: keyed on strategy and model they did not).
+    seen: dict[tuple, tuple[str, str, dict]] = {}
     for _lab, _label, strategy, model, options in profile_check.lab_runs(profile):
         own = {k: v for k, v in options.items() if k != "nproc"}
-        seen.setdefault((strategy, model), own)
-    return [(s, m, o) for (s, m), o in seen.items()]
+        seen.setdefault((strategy, model, own.get("amp"), own.get("memory_cap_gb")), (strategy, model, own))
+    return list(seen.values())
+
+
+def launched_runs(plan: list[tuple[str, str, dict]]) -> list[tuple[str, dict]]:
+    """The multi-rank runs of `plan` for `run_many`, with run ids no earlier preflight in the same folder
+    used: a second preflight must never read yesterday's records (issue #25, finding 5)."""
+    token = uuid.uuid4().hex[:8]
+    return [(s, {**o, "model": m, "run_id": f"preflight-{token}-{i}-{s}"})
+            for i, (s, m, o) in enumerate(plan) if s != "single"]
 
 
 def labs_checks(profile: Profile) -> list[Check]:
@@ -102,7 +113,7 @@ def run(profile: str | Profile, *, out: str | Path = "build/preflight", steps: i
     common = dict(profile=prof.name, steps=steps, warmup_steps=1, eval_batches=0, progress=False, out=str(out))
     plan = runs_for(prof)
     checks += [_single(model, {**options, **common}) for s, model, options in plan if s == "single"]
-    many = [(s, {**o, "model": m, "run_id": f"preflight-{s}-{i}"}) for i, (s, m, o) in enumerate(plan) if s != "single"]
+    many = launched_runs(plan)
     checks += accelerate_checks(prof, out, steps)
     (out / "probes.json").unlink(missing_ok=True)  # a stale file must not pass for this run's probes
     checks += _train_many(prof, many, common, out)

@@ -20,11 +20,13 @@ from labkit.train.config import TrainConfig, from_dict, parse_deadline
 WORKER = "labkit.train.worker"
 
 
-def make_config(strategy: str, model: str, *, rehearse_as: str | None = "run", **options) -> TrainConfig:
+def make_config(strategy: str, model: str, *, rehearse_as: str | None = "run", real: bool = False,
+                **options) -> TrainConfig:
     """A resolved, validated TrainConfig (profile defaults filled in) with a fresh run id.
 
     Rehearsal: the run is sized at its real size and logged as `rehearse_as` (`stand_in.check_launch`;
-    None for probes that size themselves), and the stand-in config is returned."""
+    None for probes that size themselves), and the stand-in config is returned (the real one with
+    `real=True`: a probe sizes that and executes `stand_in.stand_in` of it)."""
     if options.get("deadline") is None:
         # On a reserved node the lease's end is the deadline unless one is given, so a checkpoint
         # is written before the node goes away (labkit.lease: LABKIT_LEASE_END or python-chi).
@@ -44,7 +46,7 @@ def make_config(strategy: str, model: str, *, rehearse_as: str | None = "run", *
     if rehearse_as:
         cls = parallel.strategy_class(cfg.run.strategy)
         stand_in.check_launch(cfg, via=rehearse_as, launched=cfg.world_size > 1 or cls.needs_process_group)
-    return stand_in.stand_in(cfg)
+    return cfg if real else stand_in.stand_in(cfg)
 
 
 def run(strategy: str, model: str, *, timeout_s: float | None = None, stream: bool = True,

@@ -70,8 +70,13 @@ def _probe_hook(model: str, profile: str, **options):
     from labkit.train.data import make_task
     from labkit.train.worker import local_context
 
-    cfg = make_config("single", model, profile=profile, rehearse_as=None, **options)
-    hook = SingleStrategy("single", local_context(cfg), cfg, make_task(cfg))
+    from labkit.train import stand_in
+
+    # The real config is what a rehearsal sizes (its batch and image size are the node's); the hook
+    # executes its stand-in (the same config outside a rehearsal).
+    cfg = make_config("single", model, profile=profile, rehearse_as=None, real=True, **options)
+    small = stand_in.stand_in(cfg)
+    hook = SingleStrategy("single", local_context(small), small, make_task(small))
     hook.setup()
     return cfg, hook
 
@@ -98,7 +103,7 @@ def _step_peak(hook, cfg, b: int) -> int | None:
     peak = PeakMemory(device)
     try:
         stand_in.simulate_oom(cfg.replace(batch=b))  # rehearsal: the node's allocator, from the estimator
-        batch = _fake_batch(hook.task, cfg, min(b, REHEARSAL_BATCH) if rehearsal.active() else b, device)
+        batch = _fake_batch(hook.task, hook.cfg, min(b, REHEARSAL_BATCH) if rehearsal.active() else b, device)
         with peak.track(hook.model, hook.optimizer) as wrap:
             hook.train_step([batch], wrap(hook.task.loss))
         return peak.result()
@@ -154,8 +159,12 @@ def memory_breakdown(model: str, *, profile: str = "smoke", batch: int | None = 
     from labkit.train import stand_in
 
     cfg, hook = _probe_hook(model, profile, **options)
-    stand_in.simulate_oom(cfg.replace(batch=batch or cfg.optim.batch))
-    x, y = _fake_batch(hook.task, cfg, batch or cfg.optim.batch, hook.ctx.device)
+    from labkit import rehearsal
+
+    batch = batch or cfg.optim.batch
+    stand_in.simulate_oom(cfg.replace(batch=batch))  # sized at the real batch; a rehearsal executes a small one
+    x, y = _fake_batch(hook.task, hook.cfg, min(batch, REHEARSAL_BATCH) if rehearsal.active() else batch,
+                       hook.ctx.device)
     hook.train_step([(x, y)], hook.task.loss)  # first step creates the optimizer state
     tracker = MemTracker()
     tracker.track_external(hook.model, hook.optimizer)
