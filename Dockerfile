@@ -1,12 +1,13 @@
-# labkit for the course's GPU nodes (4x A100 80GB, 1x A100, H100, 4x V100): the packages of
-# environment.yml on an official PyTorch CUDA image, plus the `labkit` Jupyter kernel.
-# torch 2.14.1+cu126 (the tested version; runs on V100, A100 and H100) replaces the image's own.
+# labkit for the course's GPU nodes (4x A100 80GB, 1x A100, H100, 4x V100): what environment.yml
+# installs (the class's lock, requirements/lock.txt) on an official PyTorch CUDA image, plus the
+# `labkit` Jupyter kernel. torch 2.14.1+cu126 (the locked version; runs on V100, A100 and H100)
+# replaces the image's own.
 # Build from the repository root and run (see containers/README.md):
 #
 #   docker build -t labkit:gpu .
 #   docker run --gpus all --ipc=host -p 8888:8888 -v "$PWD/runs:/opt/labkit/runs" labkit:gpu
 #
-# tests/test_containers.py checks that this file installs what environment.yml lists.
+# tests/test_containers.py checks that this file installs what environment.yml and the lock say.
 
 # The devel variant ships nvcc and the CUDA headers (environment.yml: cuda-nvcc, cuda-cudart-dev):
 # DeepSpeed JIT-compiles FusedAdam / CPU Adam with them on first use.
@@ -24,45 +25,36 @@ ENV PIP_NO_CACHE_DIR=1 \
     MPLBACKEND=Agg \
     PYTHONUNBUFFERED=1
 
-# The tested torch (2.14.1), as PyTorch's CUDA 12.6 wheel: the only 2.14 build with Volta (sm_70)
+# The class's lock: every pip install below takes its versions from it.
+WORKDIR /opt/labkit
+COPY requirements/lock.txt requirements/lock.txt
+
+# The locked torch (2.14.1) as PyTorch's CUDA 12.6 wheel: the only 2.14 build with Volta (sm_70)
 # kernels besides sm_80 (A100) and sm_90 (H100), so one image serves every course node (environment.yml
 # pins the same). It replaces the base image's torch; every later pip install keeps it (constraint).
-RUN pip install --index-url https://download.pytorch.org/whl/cu126 "torch==2.14.1+cu126" "torchvision==0.29.1+cu126" \
+RUN pip install -c requirements/lock.txt --index-url https://download.pytorch.org/whl/cu126 --extra-index-url https://pypi.org/simple \
+      "torch==2.14.1+cu126" "torchvision==0.29.1+cu126" \
  && python -c "import torch; assert torch.__version__ == '2.14.1+cu126' and torch.version.cuda.startswith('${CUDA_VERSION}'), torch.__version__" \
  && python -c "import torch, torchvision; print('torch==' + torch.__version__); print('torchvision==' + torchvision.__version__)" > /tmp/torch-constraint.txt
-RUN pip install -c /tmp/torch-constraint.txt \
-      "ninja>=1.11" \
-      "accelerate>=1.0" \
-      "deepspeed>=0.16" \
-      "peft>=0.14" \
-      "bitsandbytes>=0.45" \
-      "torchao>=0.12" \
-      "transformers>=4.48" \
-      "safetensors>=0.4" \
-      "papermill>=2.6" \
-      "nbformat>=5.9" \
-      "nbclient>=0.10" \
-      "nbconvert>=7.16" \
-      "ipykernel>=6.29" \
-      "jupyterlab>=4.2" \
-      "ipywidgets>=8.1" \
-      "matplotlib>=3.8" \
-      "tqdm>=4.66" \
-      "cloudpickle>=3.0" \
-      "click>=8.1" \
-      "pyyaml>=6.0" \
-      "psutil>=5.9"
+
+# The packages of pyproject.toml at their locked versions, in their own layer (a change to labkit's
+# code does not reinstall them).
+COPY pyproject.toml README.md environment.yml ./
+RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" > /tmp/deps.txt \
+ && pip install -c requirements/lock.txt -c /tmp/torch-constraint.txt -r /tmp/deps.txt
 
 # labkit itself (the `labkit` command) and the notebooks; no .venv, runs or build output.
-WORKDIR /opt/labkit
-COPY pyproject.toml README.md environment.yml ./
 COPY labkit ./labkit
 COPY notebooks ./notebooks
-RUN pip install -c /tmp/torch-constraint.txt -e . \
+RUN pip install -c requirements/lock.txt -c /tmp/torch-constraint.txt -e . \
  && python -m ipykernel install --sys-prefix --name labkit --display-name "labkit (Python 3)" \
- && labkit --help > /dev/null
+ && labkit --help > /dev/null \
+ && labkit env
 
 # DeepSpeed's JIT-built ops go to a writable cache (the image may be read-only under Apptainer).
 ENV TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+# Every lab's results (labkit.results.runs_root): the folder `docker run -v HOST:/opt/labkit/runs` mounts,
+# so they outlive the container (containers/README.md); the notebooks' own folder is not mounted.
+ENV LABKIT_RUNS=/opt/labkit/runs
 EXPOSE 8888
 CMD ["jupyter", "lab", "--ip=0.0.0.0", "--port=8888", "--no-browser", "--allow-root", "--notebook-dir=/opt/labkit/notebooks"]

@@ -4,29 +4,46 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 BUILD := build
-# Our CPU machines install this torch build from local disk; GPU nodes use environment.yml.
-TORCH_PINS := torch==2.14.1 torchvision==0.29.1
-# PyPI's torch 2.14 is a CUDA 13 build without Volta kernels: on a V100 node run
+# The class's locked environment (requirements/lock.txt, written by `make lock`): every install
+# below, environment.yml and the container recipes install with `-c $(LOCK)` (docs/gpu-node.md).
+LOCK := requirements/lock.txt
+# torch/torchvision as locked; our CPU machines install this build from local disk.
+TORCH_PINS = $(shell grep -E '^torch(vision)?==' $(LOCK))
+# On a GPU node the wheel index follows the driver: labkit/cudadriver.py picks the newest CUDA build
+# of the locked torch that the driver supports and that has kernels for every GPU (nothing without
+# nvidia-smi: PyPI's build). PyPI's torch 2.14 is a CUDA 13.0 build without Volta kernels: on a V100
+# node that is https://download.pytorch.org/whl/cu126 (driver >= 560.28.03); to choose it yourself,
 # `make lab TORCH_INDEX=https://download.pytorch.org/whl/cu126` (docs/gpu-node.md).
 TORCH_INDEX ?=
-TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple)
 # DeepSpeed JIT-builds its C++ ops on first use; keep that cache inside the repo's ignored build dir.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(BUILD)/torch_extensions
 export MPLBACKEND := Agg
 PYTEST_ARGS ?=
 
-.PHONY: lab test smoke rehearse venv kernel clean-notebooks clean bench slides chromium bubblewrap
+.PHONY: lab test test-fast test-changed test-profile smoke rehearse venv lock kernel clean-notebooks clean bench slides chromium bubblewrap
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml $(LOCK)
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install $(TORCH_FROM) $(TORCH_PINS)
-	$(BIN)/python -m pip install $(TORCH_FROM) $(TORCH_PINS) -e '.[test]'
+	index="$(TORCH_INDEX)"; if [ -z "$$index" ]; then index=$$($(PYTHON) -I labkit/cudadriver.py) || exit 1; fi; \
+	from=$${index:+--index-url $$index --extra-index-url https://pypi.org/simple}; \
+	$(BIN)/python -m pip install -c $(LOCK) $$from $(TORCH_PINS) && \
+	$(BIN)/python -m pip install -c $(LOCK) $$from $(TORCH_PINS) -e '.[test]'
 	$(BIN)/python -m ipykernel install --sys-prefix --name labkit --display-name "labkit (Python 3)"
 	touch $@
 
 venv: $(BIN)/.installed
+
+# Rewrite the lock from the venv: after pyproject.toml gained a package (the venv installs it first),
+# or with UPGRADE=1 at the start of a semester (the newest releases pyproject.toml's bounds allow;
+# run `make test` on the result before the class uses it). A class keeps one lock all term.
+UPGRADE ?=
+lock: venv
+	$(if $(UPGRADE),$(BIN)/python -m pip install --upgrade --upgrade-strategy eager -e '.[test]')
+	$(BIN)/python -m pip freeze | $(BIN)/python -m labkit.lockfile > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	touch $(BIN)/.installed
 
 kernel: venv
 	$(BIN)/python -m ipykernel install --sys-prefix --name labkit --display-name "labkit (Python 3)"
@@ -36,9 +53,27 @@ LAB_ARGS ?=
 lab: venv
 	$(BIN)/jupyter lab --notebook-dir=notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_ARGS)
 
+# The whole suite on 2 pytest-xdist workers; tests/_schedule.py groups each file (and files sharing a fixture)
+# and sends the heaviest first. PYTEST_ARGS="-n 0" runs it in one process. docs/DEVELOPING.md, "The suite".
+XDIST ?= -n 2 --dist loadgroup --no-loadscope-reorder
 test: venv chromium bubblewrap
 	mkdir -p $(BUILD)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+
+# The inner loop (under 3 minutes): no notebook execution, no multi-process job (tests not marked slow).
+test-fast: venv
+	$(BIN)/python -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
+
+# The tests that import what the working tree changed since BASE (HEAD: uncommitted work; BASE=main: a branch).
+BASE ?= HEAD
+test-changed: venv
+	$(BIN)/python tests/_changed.py --base $(BASE) -- $(XDIST) $(PYTEST_ARGS)
+
+# The whole suite with the time by kind (tests/_profile.py) printed at the end and kept in build/test-profile.jsonl.
+test-profile: venv chromium bubblewrap
+	mkdir -p $(BUILD)
+	rm -f $(BUILD)/test-profile.jsonl
+	$(BIN)/python -m pytest $(XDIST) --kind-profile $(BUILD)/test-profile.jsonl $(PYTEST_ARGS)
 
 smoke: venv
 	$(BIN)/labkit notebooks run --profile smoke --out $(BUILD)/executed

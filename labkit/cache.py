@@ -2,8 +2,8 @@
 
 One place decides where it is, so every writer and reader agree (and tests point it at a temporary
 folder): `LABKIT_CACHE`, else `$XDG_CACHE_HOME/labkit`, else `~/.cache/labkit`. It holds the
-Food-11 tensor cache (`labkit.train.imagecache`), `comm_bench.json` (`labkit bench comm`) and
-`matmul_efficiency.json` (`labkit preflight`, read by the planner).
+Food-11 tensor cache (`labkit.train.imagecache`). Measurements of a node are not kept here: the comm
+benchmark lives beside the runs (`labkit.results.runs_root`), the preflight's in its own --out folder.
 """
 from __future__ import annotations
 

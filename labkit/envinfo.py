@@ -3,7 +3,9 @@
 `collect()` gathers facts (versions, devices, cores, RAM) as plain JSON data; `profile_support(facts)`
 is a pure function of those facts, so the GPU branches are testable on a CPU machine. Package
 versions come from `importlib.metadata`: importing DeepSpeed would JIT-build ops, importing
-bitsandbytes prints warnings. Introduced in notebook 00_setup.
+bitsandbytes prints warnings. It also says whether the environment is the class's locked one
+(labkit.lockfile) and, on a GPU node, whether the NVIDIA driver runs this torch build
+(labkit.cudadriver). Introduced in notebook 00_setup.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import sys
 from importlib import metadata
 from typing import Any
 
+from labkit import cudadriver, lockfile
 from labkit.errors import HardwareError
 from labkit.profiles import PROFILES, Profile, get_profile
 
@@ -78,11 +81,21 @@ def host_facts() -> dict[str, Any]:
             "ram_gb": round(psutil.virtual_memory().total / 1e9, 1)}
 
 
+def driver_facts() -> dict[str, Any]:
+    """The NVIDIA driver's version (None without one) and, from nvidia-smi, its GPUs: what explains a
+    node whose torch sees no GPU. Cheap without a driver (no file, no nvidia-smi on the PATH)."""
+    version = cudadriver.driver_version()
+    gpus = [{"name": r["name"], "capability": list(r["capability"]) if r["capability"] else None}
+            for r in (cudadriver.nvidia_smi() if version else [])]
+    return {"version": version, "gpus": gpus}
+
+
 def collect() -> dict[str, Any]:
     """Everything `labkit env` reports, as JSON-ready data."""
     facts: dict[str, Any] = {
         "python": {"version": platform.python_version(), "executable": sys.executable},
         "packages": package_versions(), "torch": torch_facts(), "host": host_facts(),
+        "driver": driver_facts(), "lock": lockfile.status(),
     }
     facts["profiles"] = profile_support(facts)
     facts["fixes"] = fixes(facts)
@@ -94,7 +107,8 @@ def profile_support(facts: dict[str, Any], profiles=PROFILES) -> dict[str, dict[
     In a rehearsal (`labkit.rehearsal`) GPU profiles are supported by assumption, and say so."""
     from labkit import rehearsal
 
-    support = {name: _check_profile(make(), facts.get("torch", {})) for name, make in profiles.items()}
+    torch, driver = facts.get("torch", {}), facts.get("driver")
+    support = {name: _check_profile(make(), torch, driver) for name, make in profiles.items()}
     if rehearsal.active():
         for name, make in profiles.items():
             if make().device == "cuda":
@@ -102,7 +116,17 @@ def profile_support(facts: dict[str, Any], profiles=PROFILES) -> dict[str, dict[
     return support
 
 
-def _check_profile(profile: Profile, torch: dict[str, Any]) -> dict[str, Any]:
+def driver_gap(torch: dict[str, Any], driver: dict[str, Any] | None) -> str | None:
+    """'driver too old for this torch build: ... -> fix' when the NVIDIA driver is older than the CUDA
+    the installed torch is built for (labkit.cudadriver); None when it is not, or nothing is known."""
+    if not (torch.get("installed") and driver and driver.get("version")):
+        return None
+    caps = [tuple(g["capability"]) for g in driver.get("gpus") or [] if g.get("capability")]
+    caps += [tuple(d["capability"]) for d in torch.get("devices") or []]
+    return cudadriver.driver_gap(torch.get("version", "?"), torch.get("cuda_build"), driver["version"], caps)
+
+
+def _check_profile(profile: Profile, torch: dict[str, Any], driver: dict[str, Any] | None = None) -> dict[str, Any]:
     missing: list[str] = []
     if not torch.get("installed"):
         missing.append("torch is not installed -> make venv")
@@ -110,14 +134,14 @@ def _check_profile(profile: Profile, torch: dict[str, Any]) -> dict[str, Any]:
         if not torch.get("gloo"):
             missing.append("torch.distributed has no gloo backend -> reinstall torch: make venv")
     else:
-        missing += _gpu_gaps(profile, torch)
+        missing += _gpu_gaps(profile, torch, driver)
     return {"ok": not missing, "missing": missing}
 
 
-def _gpu_gaps(profile: Profile, torch: dict[str, Any]) -> list[str]:
+def _gpu_gaps(profile: Profile, torch: dict[str, Any], driver: dict[str, Any] | None = None) -> list[str]:
     devices = torch.get("devices") or []
     if not devices:
-        return ["no CUDA device found -> use --profile smoke"]
+        return [driver_gap(torch, driver) or "no CUDA device found -> use --profile smoke"]
     gaps = []
     if profile.backend == "nccl" and not torch.get("nccl_backend"):
         gaps.append("torch has no NCCL backend -> install a CUDA build of torch (environment.yml)")
@@ -146,7 +170,8 @@ def require(profile: str | Profile, facts: dict[str, Any] | None = None) -> Prof
     if rehearsal.active():  # this machine stands in for the node (labkit.rehearsal): its GPUs are assumed
         return profile
     torch = (facts or {}).get("torch") or torch_facts()
-    missing = _check_profile(profile, torch)["missing"]
+    driver = facts.get("driver") if facts is not None else driver_facts()
+    missing = _check_profile(profile, torch, driver)["missing"]
     if missing:
         reasons = "; ".join(m.split(" -> ")[0] for m in missing)
         other = [m.split(" -> ")[1] for m in missing if " -> " in m and "--profile smoke" not in m]
@@ -180,14 +205,33 @@ def fixes(facts: dict[str, Any]) -> list[str]:
     out = [f"{dist} is not installed -> {cmd}" for dist, cmd in PACKAGES.items()
            if facts.get("packages", {}).get(dist) is None]
     torch = facts.get("torch", {})
-    if torch.get("installed") and not torch.get("devices"):
+    gap = driver_gap(torch, facts.get("driver"))
+    if gap:  # with GPUs seen: the build runs through CUDA minor-version compatibility only
+        out.append(gap)
+    elif torch.get("installed") and not torch.get("devices"):
         out.append("no GPU: only the smoke profile runs here -> use --profile smoke")
+    lock = facts.get("lock") or {}
+    if lock.get("matches") is False:
+        out.append(f"this environment differs from {lockfile.LOCK_PATH} (see `lock` above) -> reinstall with the "
+                   f"lock: make venv, or pip install -c {lockfile.LOCK_PATH} -e . in the repository")
     return out
 
 
 def runnable(facts: dict[str, Any]) -> list[str]:
     """Names of the profiles this machine can run."""
     return [name for name, info in facts["profiles"].items() if info["ok"]]
+
+
+def lock_report(lock: dict[str, Any]) -> list[str]:
+    """`labkit env`'s lines on the class's lock: matches, or what differs (one line each)."""
+    if not lock:
+        return []
+    if lock.get("matches"):
+        return [f"lock         matches {lock['path']}"]
+    if lock.get("path") is None:
+        return [f"lock         none: {lock['differences'][0]}"]
+    diffs = lock["differences"]
+    return [f"lock         DIFFERS from {lock['path']} ({len(diffs)}):"] + [f"  {line}" for line in diffs]
 
 
 def format_report(facts: dict[str, Any]) -> str:
@@ -206,6 +250,12 @@ def format_report(facts: dict[str, Any]) -> str:
                          f"{d['capability'][0]}.{d['capability'][1]}, bf16 {'yes' if d['bf16'] else 'no'}")
     else:
         lines.append("gpu          no GPU: only the smoke profile runs here")
+    driver = facts.get("driver") or {}
+    if driver.get("version"):
+        cuda = cudadriver.cuda_name(cudadriver.driver_cuda(driver["version"]))
+        gpus = ", ".join(g["name"] for g in driver.get("gpus") or [])
+        lines.append(f"driver       NVIDIA {driver['version']} (CUDA up to {cuda})" + (f": {gpus}" if gpus else ""))
+    lines += lock_report(facts.get("lock") or {})
     lines.append("profiles")
     for name, info in facts["profiles"].items():
         lines.append(f"  {name:<10} {'yes' if info['ok'] else 'no: ' + '; '.join(info['missing'])}")

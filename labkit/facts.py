@@ -40,6 +40,9 @@ class TrainFacts:
     steps_per_epoch: int | None = None
     epoch_time_s: float | None = None
     """steps_per_epoch x the median step time: the projected time of one pass over the data."""
+    cpu_step_time_s: list[float] = field(default_factory=list)
+    """Per rank: median CPU-seconds of a steady step (`time.process_time`, all threads of the rank).
+    Unlike the wall clock, other processes on a shared CPU hardly change it (labkit.train.metrics.cpu_share)."""
     flops_per_step: float | None = None
     achieved_tflops: float | None = None
     peak_tflops_per_device: float | None = None
@@ -134,6 +137,9 @@ class PipelineFacts:
     bubble_measured: float | None = None
     """Median idle share per stage over the schedule runs after warm-up."""
     bubble_per_stage: list[float] = field(default_factory=list)
+    stage_ms: list[float] = field(default_factory=list)
+    """Per stage: median ms of compute per micro-batch (forward + backward) over the schedule runs after
+    warm-up (`labkit.parallel.comm.stage_times`): how uneven the stages are."""
     max_in_flight: list[int] = field(default_factory=list)
     schedule_trace: list[dict] = field(default_factory=list)
     """The last schedule run's events: dicts with stage, kind 'F'/'B'/'W', mb, t0, t1 (ms)."""

@@ -155,9 +155,10 @@ class _RankTail(threading.Thread):
     in a Jupyter cell. sys.stdout is looked up at write time: in a notebook it is the cell's stream.
     """
 
-    def __init__(self, pattern: str, echo: bool):
+    def __init__(self, pattern: str, echo: bool, offsets: dict[str, int] | None = None):
         super().__init__(daemon=True)
         self.pattern, self.echo = pattern, echo
+        self.offsets = offsets or {}  # bytes of each stream to skip: a warm rank's earlier runs (labkit.rank_pool)
         self.done = threading.Event()
         self.parts: list[str] = []
 
@@ -194,6 +195,7 @@ class _RankTail(threading.Thread):
             if not path.exists():
                 return 0
             handles[name] = path.open("rb")
+            handles[name].seek(self.offsets.get(name, 0))
         data = handles[name].read(65536)
         if data:
             text = decoder.decode(data)
@@ -273,16 +275,40 @@ def run(module: str, args: list[str], *, nproc: int, timeout_s: float = 600, env
     if nnodes > 1:  # nodes may share a file system and run ids match across nodes: one folder per node
         root = os.path.join(root, f"node{node_rank}")
     os.makedirs(root, exist_ok=True)
-    run_id = _run_id(module, nnodes, rdzv_endpoint)
-    cmd = torchrun_command(module, list(args), nproc=nproc, nnodes=nnodes, node_rank=node_rank,
-                           rdzv_endpoint=rdzv_endpoint, log_dir=root, run_id=run_id)
-    pattern = os.path.join(glob.escape(root), f"{run_id}_*", "attempt_*", "0")
+    for tries_left in reversed(range(_PORT_TRIES if nnodes == 1 and rdzv_endpoint is None else 1)):
+        run_id = _run_id(module, nnodes, rdzv_endpoint)
+        cmd = torchrun_command(module, list(args), nproc=nproc, nnodes=nnodes, node_rank=node_rank,
+                               rdzv_endpoint=rdzv_endpoint, log_dir=root, run_id=run_id)
+        code, launcher, output = _launch_once(cmd, os.path.join(glob.escape(root), f"{run_id}_*", "attempt_*", "0"),
+                                              env=_child_env(env, threads), timeout_s=timeout_s,
+                                              echo=stream and node_rank == 0)
+        # free_port()'s port was free a moment ago; another job (a second test worker) can bind it before
+        # torchrun's store does: then no rank started, and a new port is tried, as spawn() does.
+        if not (code and tries_left and _port_taken(launcher)):
+            break
+    attempt = _attempt_dir(root, run_id)
+    if code is None:
+        raise timeout_error(module, timeout_s, nproc, attempt or root, output)
+    if code != 0:
+        raise _failure(module, code, attempt, launcher, output, nproc=nproc, node_rank=node_rank)
+    return LaunchResult(returncode=code, output=output, log_dir=attempt or root)
+
+
+_PORT_TRIES = 3
+
+
+def _port_taken(launcher_output: str) -> bool:
+    return "eaddrinuse" in launcher_output.lower()
+
+
+def _launch_once(cmd: list[str], pattern: str, *, env: dict, timeout_s: float, echo: bool) -> tuple[int | None, str, str]:
+    """Start torchrun, follow rank 0, wait: (exit code or None on timeout, torchrun's output, rank 0's output)."""
     # New session: a terminal's Ctrl-C reaches only us, and we stop the job in order. `guarded`: if
     # we die without doing so, the kernel kills torchrun, and torchrun's ranks follow (rank_guard).
     # This thread forks torchrun and stays in this function until torchrun is gone (see rank_guard).
     proc = subprocess.Popen(rank_guard.guarded(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env=_child_env(env, threads), start_new_session=True)
-    reader, tail = _Reader(proc.stdout), _RankTail(pattern, echo=stream and node_rank == 0)
+                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    reader, tail = _Reader(proc.stdout), _RankTail(pattern, echo=echo)
     reader.start()
     tail.start()
     join_s = 10.0
@@ -299,15 +325,13 @@ def run(module: str, args: list[str], *, nproc: int, timeout_s: float = 600, env
         tail.join(timeout=join_s)
         reader.join(timeout=join_s)
         proc.stdout.close()
-    attempt = _attempt_dir(root, run_id)
-    if code is None:
-        raise LaunchError(f"{module} did not finish within timeout_s={timeout_s:g} s on {nproc} rank(s); all ranks "
-                          f"were stopped. Raise timeout_s (or the profile's timeout_s) if the run needs longer, "
-                          f"or look for a rank stuck in a collective in the logs under {attempt or root}",
-                          output=tail.text)
-    if code != 0:
-        raise _failure(module, code, attempt, reader.text, tail.text, nproc=nproc, node_rank=node_rank)
-    return LaunchResult(returncode=code, output=tail.text, log_dir=attempt or root)
+    return code, reader.text, tail.text
+
+
+def timeout_error(module: str, timeout_s: float, nproc: int, logs: str, output: str) -> LaunchError:
+    return LaunchError(f"{module} did not finish within timeout_s={timeout_s:g} s on {nproc} rank(s); all ranks "
+                       f"were stopped. Raise timeout_s (or the profile's timeout_s) if the run needs longer, "
+                       f"or look for a rank stuck in a collective in the logs under {logs}", output=output)
 
 
 def _attempt_dir(root: str, run_id: str) -> str | None:

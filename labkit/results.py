@@ -4,7 +4,8 @@ Every strategy's run produces one `RunRecord`; rank 0 appends it to `<out>/resul
 numbers every run has, a record carries typed facts (`labkit.facts`): `record.train` always, and the
 groups its strategy records (`record.comm`, `record.sharding`, `record.pipeline`, `record.peft`, ...,
 None when not recorded). Records of schema 1 (a flat `extra` dict) still load: their keys are mapped
-onto the groups; a record from a newer labkit is a one-line error naming the file.
+onto the groups; a record from a newer labkit is a one-line error naming the file. Where records go:
+`run_dir(lab, profile)` under `runs_root()` (`$LABKIT_RUNS`, else `runs` beside the notebook).
 
 Notebooks call `show(record)` / `answer(key, value)`, which put the data into the cell output under
 the MIME type `application/vnd.labkit+json`, so grading reads data, never printed text. The payload
@@ -130,6 +131,34 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             pass
     return out
+
+
+#: The one root every lab's results go under (`run_dir`), `labkit train`'s default --out and the place
+#: `labkit bench comm` keeps the node's measured bandwidth. Unset: `runs`, relative to the working
+#: directory -- beside the notebook, since a kernel runs in its notebook's folder. Containers set it to
+#: their mounted, writable folder (containers/README.md), where a read-only image cannot lose results.
+RUNS_ENV = "LABKIT_RUNS"
+
+
+def runs_root() -> str:
+    """$LABKIT_RUNS (user folder expanded), else 'runs'."""
+    return os.path.expanduser(os.environ.get(RUNS_ENV) or "runs")
+
+
+def run_dir(*parts: str) -> str:
+    """`runs_root()/parts...`, created now: a lab's setup cell (`OUT = R.run_dir("03_ddp", PROFILE)`)
+    fails at once, naming the fix, where results could not be written -- not after the first run."""
+    path = Path(runs_root(), *map(str, parts))
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".labkit-write-test"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"cannot write results to {path.resolve()} ({exc.strerror or exc}); set {RUNS_ENV} to a "
+                          f"writable folder that outlives this machine's session, e.g. export {RUNS_ENV}=$HOME/labkit-runs "
+                          "(containers/README.md)") from None
+    return str(path)
 
 
 def append(record: RunRecord, out_dir: str | os.PathLike) -> Path:

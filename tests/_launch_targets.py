@@ -45,5 +45,35 @@ def recorded_main(mode: str) -> None:
     main(mode)
 
 
+# ---------------------------------------------------------------- jobs for warm ranks (tests/test_launch_warm.py)
+def parse_job(argv: list[str]):
+    """labkit.rank_pool's entry-point protocol: (profile, fn(ctx)). MODE TAG: ok, raise, hang as above
+    (printing TAG), leak (changes what a run may change), state (prints what `leak` changed)."""
+    mode, tag = argv[0], argv[1] if len(argv) > 1 else ""
+    return "smoke", lambda ctx: job(mode, tag, ctx)
+
+
+def job(mode: str, tag: str, ctx) -> None:
+    rank, group = ctx.rank, ctx.group
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total, group=group)
+    print(f"rank {rank} of {ctx.world_size}: sum={total.item():.0f} {tag} pid={os.getpid()}", flush=True)
+    if mode == "leak":
+        dist.new_group(ranks=[0, 1])  # a subgroup the run does not destroy
+        os.environ["LABKIT_TEST_LEAK"] = "1"
+        torch.set_num_threads(2)
+        torch.set_float32_matmul_precision("medium")
+    elif mode == "state":
+        groups = len(dist.distributed_c10d._world.pg_map)
+        print(f"groups={groups} leak={os.environ.get('LABKIT_TEST_LEAK')} threads={torch.get_num_threads()} "
+              f"matmul={torch.get_float32_matmul_precision()}", flush=True)
+    elif mode == "raise" and rank == 1:
+        raise ValueError("rank 1 exploded on purpose")
+    elif mode == "hang" and rank == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(3600)
+    dist.barrier(group=group)
+
+
 if __name__ == "__main__":
     (recorded_main if sys.argv[1] == "raise_record" else main)(sys.argv[1])

@@ -21,6 +21,40 @@ TESTS_DIR = Path(__file__).resolve().parent
 KERNEL = "labkit"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--kind-profile", metavar="FILE", default=None,
+                     help="append each test's wall/CPU seconds and processes to FILE (JSON lines) and print the "
+                          "time by kind at the end (tests/_profile.py; `make test-profile`)")
+    parser.addoption("--notebooks", metavar="STEMS", default=None,
+                     help="comma-separated notebook names (03_ddp,...): deselect the notebook-parametrized tests of "
+                          "every other notebook (`make test-changed`, tests/_changed.py)")
+
+
+def pytest_configure(config):
+    path = config.getoption("--kind-profile")
+    if path:
+        from _profile import KindProfile
+
+        config.pluginmanager.register(KindProfile(Path(path).resolve()), "labkit-kind-profile")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test`'s units of work (tests/_schedule.py) for `--dist loadgroup`; xdist's own otherwise."""
+    if config.getvalue("dist") == "loadgroup":
+        from _schedule import make_scheduler
+
+        return make_scheduler(config, log)
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    from _schedule import narrow_to_notebooks, schedule
+
+    narrow_to_notebooks(config, items, TESTS_DIR.parent)
+    schedule(config, items)
+
+
 @pytest.fixture
 def run_cells(tmp_path):
     """Execute code cells in a fresh notebook on the `labkit` kernel; returns the executed notebook."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from labkit.parallel import budget as B
+from labkit.parallel import planner
 from labkit.errors import ConfigError
 from labkit.memory.params import model_spec
 from labkit.parallel.perf_model import GPUS
@@ -22,7 +23,7 @@ def test_ranked_layouts_fit_are_sorted_and_agree_with_six_n_d():
     rows = B.rank_by_cost("gpt3-175b", 300e9, (64, 256), price_per_gpu_hour=2.0)
     costs = [r.budget.cost for r in rows]
     assert costs == sorted(costs) and {r.gpus for r in rows} == {64, 256}
-    assert all(r.memory_gb <= 0.9 * 80 for r in rows)  # the planner's usable share of 80 GB
+    assert all(r.memory_gb <= planner.USABLE * 80 for r in rows)  # the planner's usable share of 80 GB
     best = rows[0].budget
     assert best.cost == pytest.approx(best.gpu_hours * 2.0)
     # the planner's model FLOPs include attention and the LM head: 6 N D at its MFU is a few % faster

@@ -99,3 +99,26 @@ def test_events_of_a_measured_step():
     per_rank = [[("F", 0, 10.0, 10.002)], [("F", 0, 10.002, 10.003, 1)]]
     assert comm.events_of(per_rank) == [dict(stage=0, kind="F", mb=0, t0=0.0, t1=2.0),
                                         dict(stage=1, kind="F", mb=0, t0=2.0, t1=3.0, chunk=1)]
+
+
+@pytest.mark.parametrize("stages,micro", [(2, 4), (4, 8), (3, 1)])
+def test_uneven_stages_give_the_formula_back_when_equal(stages, micro):
+    assert comm.uneven_bubble([2.0] * stages, micro) == pytest.approx([comm.bubble_fraction(stages, micro)] * stages)
+
+
+@pytest.mark.parametrize("times", [[1.0, 3.0, 2.0], [1.0, 1.5], [2.0, 1.0, 1.0, 4.0]])
+def test_uneven_bubble_is_the_simulated_gpipe_with_those_stage_times(times):
+    m, p = 5, len(times)  # each stage: forward t/3, backward 2t/3
+    orders = {s: [(k, i, times[s] / 3 * (1 if k == "F" else 2)) for k, i in comm.stage_order("gpipe", p, m, s)]
+              for s in range(p)}
+    events = [dict(stage=s, kind=orders[s][j][0], mb=orders[s][j][1], t0=a, t1=b)
+              for s, j, a, b in comm.run_in_order(orders)]
+    assert comm.stage_times(events) == pytest.approx(times)
+    assert comm.stage_bubbles(events) == pytest.approx(comm.uneven_bubble(times, m))
+
+
+def test_more_micro_batches_leave_the_fast_stage_waiting():
+    # The fast stage's bubble tends to 1 - t_fast / t_slow, not to 0 (notebook 07, question 7.2).
+    assert comm.uneven_bubble([1.0, 2.0], 10_000)[0] == pytest.approx(0.5, abs=1e-3)
+    with pytest.raises(ConfigError, match="one positive compute time per stage"):
+        comm.uneven_bubble([1.0, 0.0], 4)

@@ -36,17 +36,40 @@ def test_sizes_parse_and_refuse_what_does_not_split():
 
 
 def test_reader_uses_the_largest_size_and_is_none_without_a_file(tmp_path, monkeypatch):
-    monkeypatch.setenv(commbench.COMM_FILE_ENV, str(tmp_path / "missing.json"))
+    monkeypatch.setenv("LABKIT_RUNS", str(tmp_path / "empty"))
     assert commbench.load_measured_bandwidth() is None
     rows = [commbench.measurement("all_reduce", s, t, 2, "gloo") for s, t in ((1024, 1e-4), (2**20, 1e-3))]
     commbench.save(rows + [commbench.measurement("broadcast", 2**22, 1e-3, 2, "gloo")], tmp_path, warmup=1, iters=2)
-    monkeypatch.setenv(commbench.COMM_FILE_ENV, str(tmp_path / commbench.FILE_NAME))
+    monkeypatch.setenv("LABKIT_RUNS", str(tmp_path))  # the results root: where 09 writes it and 03 reads it
     got = commbench.load_measured_bandwidth()
     assert got.bytes == 2**20 and got.busbw == pytest.approx(rows[1].busbw_gbps * 1e9)
     assert commbench.load_measured_bandwidth(backend="nccl") is None
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ConfigError, match="rerun `labkit bench comm`"):
         commbench.load_measured_bandwidth(tmp_path / "bad.json")
+
+
+def test_a_gpu_nodes_defaults_measure_every_gpu_up_to_1_gib(monkeypatch):
+    """Issue 25 (14): 2 ranks and 16 MiB read a busbw far below the link; on a node the defaults are every
+    GPU and nccl-tests' sizes. The launch is replaced: what is tested is what would be launched."""
+    from labkit.cli import bench
+
+    launched = []
+    monkeypatch.setattr("labkit.launch.run", lambda module, args, nproc, **kw: launched.append((nproc, args)))
+    monkeypatch.setattr(commbench, "load", lambda path: path)
+    for gpus, nproc, top in ((4, 4, "1G"), (8, 8, "1G"), (1, 2, "16M"), (0, 2, "16M")):
+        monkeypatch.setattr(bench, "gpu_count", lambda: gpus)
+        bench.run_comm()
+        ranks, args = launched.pop()
+        assert ranks == nproc and args[args.index("--sizes") + 1].split(",")[-1] == top, (gpus, ranks, args)
+    assert max(commbench.parse_sizes(commbench.GPU_SIZES, 8)) >= 2**30
+
+
+def test_a_short_gpu_measurement_says_it_is_below_the_plateau(tmp_path):
+    rows = [commbench.measurement("all_reduce", 16 * 2**20, 1e-3, 2, "nccl")]
+    commbench.save(rows, tmp_path, warmup=1, iters=2)
+    got = commbench.load_measured_bandwidth(tmp_path / commbench.FILE_NAME)
+    assert "below the bandwidth plateau" in got.source and "every GPU, up to 1 GiB" in got.source
 
 
 def test_one_rank_is_refused_before_launch(capsys):

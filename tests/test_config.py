@@ -62,7 +62,8 @@ def test_validation_names_the_bad_value_and_the_fix():
              ({"lora_rank": 0}, "lora_rank=0; it must be a positive integer such as 8"),
              ({"nnodes": 2}, "nnodes=2 needs --rdzv-endpoint HOST:PORT"),
              ({"channels_last": True}, "--channels-last applies to image models, not 'tiny-llama'"),
-             ({"trace_steps": -1}, "trace_steps=-1; it must be an integer >= 0")]
+             ({"trace_steps": -1}, "trace_steps=-1; it must be an integer >= 0"),
+             ({"threads": 0}, "threads=0; it must be a positive integer")]
     for change, message in cases:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
             TrainConfig.of(strategy="single", model="tiny-llama", **change)

@@ -122,6 +122,7 @@ def _mesh_facts(out_dir: str) -> dict:
             "ns_shape": list(mesh_ns.shape), "ns_dp": list(dp_of_mesh(mesh_ns))}
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_mesh_built_on_two_gloo_ranks(tmp_path_factory):
     ranks = spawn_two_ranks(_mesh_facts, tmp_path_factory, "dims")
     for rank, facts in enumerate(ranks):

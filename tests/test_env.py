@@ -88,6 +88,8 @@ def test_cli_json_is_valid_json_on_stdout_and_never_imports_deepspeed():
     data = json.loads(proc.stdout)
     assert data["profiles"]["smoke"]["ok"] is True
     assert set(data["profiles"]) == set(PROFILES)
+    assert data["lock"]["matches"] is True and data["lock"]["differences"] == []  # tests/test_lock.py: when not
+    assert set(data["driver"]) == {"version", "gpus"}
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
                 if line.startswith("import time")}
     assert "torch" in imported  # the import log is really there ...

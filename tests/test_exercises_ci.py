@@ -1,6 +1,9 @@
-"""Every code exercise of every notebook is tested, and its tests catch its mutants (issue #15).
+"""Every code exercise of every notebook is tested, and its tests catch its mutants (issues #15, #30).
 
 Generic over notebooks/tests/hidden/*.py, so a lab's new exercises are covered without touching this file.
+A mutant marked visible (a 3-tuple in MUTANTS) must fail a VISIBLE test whose message names its fix:
+the classic mistakes are caught where the student sees them, hidden tests only add cases. Exercises a test
+file still lists in LEGACY (their lab is not ported to the judge yet) need no visible mutants and no VARIES.
 The executed source notebooks' full marks are asserted in tests/test_notebooks.py, right after each run.
 """
 from __future__ import annotations
@@ -11,12 +14,15 @@ import nbformat
 import pytest
 
 from labkit.course.exercises import load_cases, load_mutants
-from labkit.course.exercises.runner import OK, run_exercise, payload_of
+from labkit.course.exercises.cases import load_varies
+from labkit.course.exercises.grading import plan_for, run_variants
 from labkit.course.exercises.source import exercise_cells, regions
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "notebooks" / "tests"
 HIDDEN = sorted((TESTS / "hidden").glob("*.py"))
+#: Visible mutants every ported exercise declares (issue #30: "at least two, as mutants marked visible").
+MIN_VISIBLE_MUTANTS = 2
 
 
 def _exercises() -> list[tuple[str, str]]:
@@ -32,8 +38,14 @@ def _exercises() -> list[tuple[str, str]]:
 EXERCISES = _exercises()
 
 
-def test_the_pilot_lab_has_code_exercises():
+def _legacy(notebook: str, exercise: str) -> bool:
+    return any(c.legacy for p in (TESTS / f"{notebook}.py", TESTS / "hidden" / f"{notebook}.py") if p.is_file()
+               for c in load_cases(p) if c.exercise == exercise)
+
+
+def test_the_pilot_lab_has_code_exercises_on_the_judge():
     assert {"model_state_bytes", "measure_state_bytes"} <= {ex for nb, ex in EXERCISES if nb == "01_memory"}
+    assert not _legacy("01_memory", "model_state_bytes") and not _legacy("01_memory", "measure_state_bytes")
 
 
 @pytest.mark.parametrize("notebook, exercise", EXERCISES, ids=[f"{n}-{e}" for n, e in EXERCISES])
@@ -43,28 +55,41 @@ def test_every_exercise_has_a_cell_visible_and_hidden_tests_and_mutants(notebook
     source = cells[exercise]
     assert regions(source, f"{notebook} {exercise}"), f"{exercise}: no # BEGIN SOLUTION region"
     assert f"def {exercise}(" in source, f"the {exercise} cell must define def {exercise}(...)"
-    for path, kind in ((TESTS / f"{notebook}.py", "visible"), (TESTS / "hidden" / f"{notebook}.py", "hidden")):
+    hidden = TESTS / "hidden" / f"{notebook}.py"
+    for path, kind in ((TESTS / f"{notebook}.py", "visible"), (hidden, "hidden")):
         assert path.is_file() and any(c.exercise == exercise for c in load_cases(path)), \
             f"{exercise} needs a {kind} @case in {path.relative_to(ROOT)}"
-    mutants = load_mutants(TESTS / "hidden" / f"{notebook}.py").get(exercise, [])
+    mutants = load_mutants(hidden).get(exercise, [])
     assert mutants, f"{exercise} needs >= 1 entry in MUTANTS of notebooks/tests/hidden/{notebook}.py"
-    for fragment, replacement in mutants:
-        assert fragment in source and fragment != replacement, f"{exercise}: mutant fragment {fragment!r} not in its cell"
+    for m in mutants:
+        assert m.fragment in source and m.fragment != m.replacement, \
+            f"{exercise}: mutant fragment {m.fragment!r} not in its cell"
+    if not _legacy(notebook, exercise):
+        visible = [m for m in mutants if m.visible]
+        assert len(visible) >= MIN_VISIBLE_MUTANTS, (
+            f"{exercise}: {len(visible)} visible mutants in MUTANTS of {hidden.relative_to(ROOT)}; write at least "
+            f"{MIN_VISIBLE_MUTANTS} classic mistakes as (fragment, replacement, 'fix words') that a visible test names")
+        assert load_varies(hidden).get(exercise), (
+            f"{exercise}: no VARIES entry in {hidden.relative_to(ROOT)} (one line: what its hidden tests vary)")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("notebook, exercise", EXERCISES, ids=[f"{n}-{e}" for n, e in EXERCISES])
 def test_the_solution_passes_and_every_mutant_fails_a_test(notebook, exercise):
-    """One process per exercise: the solution, then each mutant, against the visible + hidden tests."""
+    """One student process per exercise serves the solution and every mutant, against the visible + hidden tests;
+    a visible mutant fails a visible test whose message contains its fix words."""
     source = exercise_cells(nbformat.read(ROOT / "notebooks" / f"{notebook}.ipynb", 4))[exercise]
     mutants = load_mutants(TESTS / "hidden" / f"{notebook}.py")[exercise]
-    variants = [source] + [source.replace(fragment, replacement) for fragment, replacement in mutants]
-    tests = payload_of([TESTS / f"{notebook}.py"], False) + payload_of([TESTS / "hidden" / f"{notebook}.py"], True)
-    run = run_exercise(exercise, variants, tests, timeout_s=900, memory_bytes=16 * 2**30, output_bytes=2**24,
-                       reveal_hidden=True)
-    assert run.status == OK, run.reason
-    solution, *mutated = run.variants
-    assert "results" in solution and all(r["status"] == "pass" for r in solution["results"]), solution
-    for (fragment, replacement), result in zip(mutants, mutated):
-        failed = "error" in result or any(r["status"] != "pass" for r in result["results"])
-        assert failed, f"{exercise}: no test fails when {fragment!r} becomes {replacement!r}"
+    variants = [source] + [source.replace(m.fragment, m.replacement) for m in mutants]
+    plan = plan_for(notebook, TESTS, TESTS / "hidden")
+    solution, *mutated = run_variants(exercise, variants, plan, timeout_s=900, memory_bytes=16 * 2**30,
+                                      output_bytes=2**24, reveal_hidden=True)
+    assert not solution.error and all(r.status == "pass" for r in solution.results), solution
+    for m, result in zip(mutants, mutated):
+        failed = [r for r in result.results if r.status != "pass"]
+        assert failed, f"{exercise}: no test fails when {m.fragment!r} becomes {m.replacement!r}"
+        if m.visible:
+            messages = [r.message for r in failed if not r.case.hidden]
+            assert any(m.fix in text for text in messages), (
+                f"{exercise}: mutant {m.replacement!r} must fail a visible test whose message says {m.fix!r}; "
+                f"visible failures: {messages or 'none'}")

@@ -1,6 +1,7 @@
 """`labkit assign`: the student release holds no solution, runs unattempted, and `labkit check` lists the work."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import nbformat
@@ -43,6 +44,11 @@ def test_the_release_holds_no_solution_line_and_no_hidden_test(release):
     assert not list((out / "notebooks").rglob("hidden"))
     assert {p.name for p in (out / "notebooks" / "tests").glob("*.py")} == \
         {p.name for p in (SOURCE / "tests").glob("*.py")} == {p.name for p in (out / "autograder" / "visible").glob("*.py")}
+    # what students may know of the hidden tests: how many, their points, what they vary; never their content
+    manifest = json.loads((out / "notebooks" / "tests" / "01_memory.hidden.json").read_text())
+    assert manifest["model_state_bytes"]["tests"] == 2 and "mixed-fp16" in manifest["model_state_bytes"]["varies"]
+    hidden_text = (SOURCE / "tests" / "hidden" / "01_memory.py").read_text()
+    assert "agrees_with_the_estimator" in hidden_text and "agrees_with_the_estimator" not in json.dumps(manifest)
 
 
 @pytest.mark.parametrize("source, error", [
@@ -76,8 +82,10 @@ def test_released_memory_lab_runs_unattempted_and_check_lists_the_exercises(rele
     assert run.ok, f"{run.describe()}\n{run.traceback[-3000:]}"
     text = "".join(stream_text(c) for c in nbformat.read(run.output, 4).cells)
     assert "model_state_bytes: not attempted" in text and "not attempted yet: exercise measure_state_bytes" in text
+    assert "+ 2 hidden tests (4 pts) when your instructor grades: they vary other parameter counts" in text
     with pytest.raises(SystemExit) as exit_:
         main(["check", str(run.output), "--tests", str(out / "notebooks" / "tests")])
     report = capsys.readouterr().out
     assert exit_.value.code == 1
     assert "TODO  model_state_bytes: not attempted" in report and "TODO  measure_state_bytes: not attempted" in report
+    assert "+ 2 hidden tests (3 pts) when your instructor grades: they vary frozen layers" in report

@@ -11,7 +11,7 @@ from conftest import live_children
 from labkit.course import exercises as ex
 
 TESTS = textwrap.dedent('''
-    from labkit.course.exercises import case, spawn
+    from labkit.course.exercises import case, trusted_spawn
 
     def _rank_sum(rank, world, square):
         import torch, torch.distributed as dist
@@ -19,28 +19,44 @@ TESTS = textwrap.dedent('''
         dist.all_reduce(t)
         return t.item()
 
+    def _reference_sum(rank, world):
+        return float(sum((r + 1) ** 2 for r in range(world)))
+
     @case("square", points=2)
-    def small_numbers(square):
-        assert square(3) == 9, f"square(3) = {square(3)}, expected 9"
+    def small_numbers(student):
+        got = student.call(3, returns=int)
+        assert got == 9, f"square(3) = {got}, expected 9"
 
     @case("square")
-    def negative(square):
-        assert square(-2) == 4
+    def negative(student):
+        assert student.call(-2, returns=int) == 4
 
     @case("square")
-    def on_two_ranks(square):
-        assert spawn(_rank_sum, world=2, args=(square,)) == [5.0, 5.0]
+    def on_two_ranks(student):
+        assert student.spawn(_rank_sum, world=2, returns=float) == trusted_spawn(_reference_sum, world=2)
 
     @case("other")
-    def not_mine(other):
+    def not_mine(student):
         raise AssertionError("never run for square")
+''')
+HIDDEN = textwrap.dedent('''
+    from labkit.course.exercises import case
+
+    VARIES = {"square": "other magnitudes"}
+
+    @case("square", points=3)
+    def secret(student):
+        assert student.call(12345, returns=int) == 152399025, "SECRET 12345"
+
+    MUTANTS = {"square": [("x * x", "x + x", "expected 9"), ("x * x", "abs(x) * x")]}
 ''')
 
 
 @pytest.fixture
 def tests_dir(tmp_path, monkeypatch):
-    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "hidden").mkdir(parents=True)
     (tmp_path / "tests" / "01_x.py").write_text(TESTS)
+    (tmp_path / "tests" / "hidden" / "01_x.py").write_text(HIDDEN)
     monkeypatch.chdir(tmp_path)
     return tmp_path / "tests"
 
@@ -52,8 +68,9 @@ def test_case_rejects_a_bad_id_and_points():
         ex.case("square", points=0)
 
 
-def test_check_finds_the_visible_tests_beside_the_notebook_and_runs_them(tests_dir, capsys):
-    """One spawn in the right answer's run: the tests of `square` only, the multi-rank one included."""
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
+def test_check_finds_the_visible_tests_and_says_what_the_hidden_ones_vary(tests_dir, capsys):
+    """One spawn in the right answer's run (the student's ranks) and one trusted reference spawn."""
     def square(x):
         return x * x
 
@@ -62,6 +79,8 @@ def test_check_finds_the_visible_tests_beside_the_notebook_and_runs_them(tests_d
     assert "square: 3/3 tests pass" in out
     assert "PASS small_numbers (2 pts)" in out and "PASS on_two_ranks (1 pt)" in out
     assert "not_mine" not in out
+    assert "+ 1 hidden test (3 pts) when your instructor grades: they vary other magnitudes" in out
+    assert "SECRET" not in out and "secret" not in out and "12345" not in out
 
 
 def test_check_reports_failures_with_their_message_and_a_stub_as_not_attempted(tests_dir, capsys):
@@ -84,15 +103,17 @@ def test_a_bare_assert_names_its_line_and_a_hidden_failure_hides_its_message(tmp
     hidden = tmp_path / "hidden"
     hidden.mkdir()
     (hidden / "01_x.py").write_text("from labkit.course.exercises import case\n"
-                                    "@case('square')\ndef secret(square):\n    assert square(12345) == 152399025\n"
-                                    "MUTANTS = {'square': [('x * x', 'x + x')]}\n")
+                                    "@case('square')\ndef secret(student):\n"
+                                    "    assert student.call(12345, returns=int) == 152399025\n"
+                                    "MUTANTS = {'square': [('x * x', 'x + x'), ('x * x', '0', 'fix words')]}\n")
     cases = ex.load_cases(hidden / "01_x.py")
     assert cases[0].hidden
     results = ex.run_cases(lambda x: 0, cases)
-    assert "01_x.py:4: assert square(12345) == 152399025" in results[0].message
+    assert "01_x.py:4: assert student.call(12345, returns=int) == 152399025" in results[0].message
     text = ex.report("square", results)
     assert "FAIL hidden test secret" in text and "12345" not in text
-    assert ex.load_mutants(hidden / "01_x.py") == {"square": [("x * x", "x + x")]}
+    assert ex.load_mutants(hidden / "01_x.py") == {"square": [ex.Mutant("x * x", "x + x"),
+                                                              ex.Mutant("x * x", "0", "fix words")]}
 
 
 def test_check_without_tests_says_where_it_looked(tmp_path, monkeypatch):
@@ -144,6 +165,7 @@ def _rank_hangs(rank, world):
         time.sleep(3600)  # ...and never exits either (an exiting peer would make gloo raise on rank 0 instead)
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_spawn_names_the_failing_rank_and_its_error_and_leaves_no_process():
     with pytest.raises(ex.ExerciseError, match=r"rank 1 raised ValueError: rank one is wrong") as info:
         ex.spawn(_rank_fails, world=2, timeout=60)
@@ -152,18 +174,21 @@ def test_spawn_names_the_failing_rank_and_its_error_and_leaves_no_process():
     assert live_children() == []
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_spawn_marks_a_stub_in_a_rank_as_not_attempted(capsys):
     assert ex.attempt(ex.spawn, _rank_stub, world=2, timeout=60) is None
     assert re.search(r"not attempted yet: rank [01] raised NotImplementedError: exercise f: write it",
                      capsys.readouterr().out)
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_spawn_kills_a_hung_run_at_the_timeout():
     with pytest.raises(ex.ExerciseError, match=r"still running after 4 s and was killed"):
         ex.spawn(_rank_hangs, world=2, timeout=4)
     assert live_children() == []
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_spawn_starts_again_on_a_new_port_when_its_port_was_taken(monkeypatch):
     """free_port() can lose its port to another job before rank 0 binds it: spawn tries a new one."""
     import socket

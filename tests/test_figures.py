@@ -2,6 +2,7 @@
 models (pipeline bubble, schedule_plot, memory estimate, planner); every figure draws headless."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -12,6 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
+from labkit.parallel import comm  # noqa: E402
 from labkit.viz import figures as F  # noqa: E402
 from labkit.errors import ConfigError  # noqa: E402
 
@@ -146,3 +148,71 @@ def test_figures_draw_headless(draw, tmp_path):
 def test_bad_arguments_name_the_value(call, match):
     with pytest.raises(ConfigError, match=match):
         call()
+
+
+def test_the_exercise_grid_counts_slots_and_leaves_the_answer_out():
+    fig = F.pipeline_schedule(4, 4, "gpipe", backward=1.0, answer=False)
+    ax = fig.axes[0]
+    assert ax.get_title() == "GPipe: p = 4, m = 4" and "holds" not in " ".join(t.get_text() for t in ax.texts)
+    assert list(ax.get_xticks()) == list(range(15))  # 2 (m + p - 1) = 14 one-slot columns
+    assert "bubble" in F.pipeline_schedule(4, 4, "gpipe").axes[0].get_title()
+    plt.close("all")
+
+
+def _ladder_run(ranks: int, step_s: float, cpu_s: list[float]):
+    from labkit.facts import TrainFacts
+    from labkit.results import RunRecord
+
+    return RunRecord(strategy="ddp", model="tiny-resnet", profile="smoke", world_size=ranks, steps=8, losses=[1.0],
+                     step_time_s=step_s, samples_per_s=16 / step_s, peak_bytes=[1] * ranks, param_bytes=[1] * ranks,
+                     grad_bytes=[1] * ranks, optimizer_bytes=[1] * ranks, trainable_params=1, device="cpu",
+                     dtype="float32", global_batch=16, train=TrainFacts(cpu_step_time_s=cpu_s))
+
+
+def test_an_efficiency_above_one_is_flagged_with_its_cause():
+    from labkit.viz import report
+
+    busy_baseline = [_ladder_run(1, 2.0, [0.4]), _ladder_run(2, 0.4, [0.25, 0.25])]
+    rows = report.scaling_rows(busy_baseline)
+    assert rows[1]["efficiency"] == 2.5 and rows[0]["cpu_ms"] == 400.0 and rows[1]["cpu_share"] == 0.62
+    notes = report.scaling_notes(busy_baseline)
+    assert any("computed only 20%" in n for n in notes)  # the baseline had a fifth of a core
+    assert any("efficiency 2.50 > 1" in n and "CPU contention" in n for n in notes)
+    cache = report.scaling_notes([_ladder_run(1, 1.0, [1.0]), _ladder_run(2, 0.4, [0.4, 0.4])])
+    assert any("cache effects" in n for n in cache)
+    assert report.scaling_notes([_ladder_run(1, 1.0, [1.0]), _ladder_run(2, 0.6, [0.6, 0.6])]) == []
+    fig = report.scaling_chart(busy_baseline)
+    assert any("above ideal" in t.get_text() for t in fig.axes[0].get_legend().get_texts())
+    plt.close(fig)
+
+
+def test_bubble_rows_put_theory_stage_times_and_measurement_side_by_side():
+    from labkit.facts import PipelineFacts
+    from labkit.viz.pipeline_schedule import bubble_rows
+
+    m, times = 4, [1.0, 2.0]  # stage 1 (the LM head) twice as slow; no waiting for messages
+    orders = {s: [(k, i, times[s] / 3 * (1 if k == "F" else 2)) for k, i in comm.stage_order("1f1b", 2, m, s)]
+              for s in range(2)}
+    events = [dict(stage=s, kind=orders[s][j][0], mb=orders[s][j][1], t0=a, t1=b)
+              for s, j, a, b in comm.run_in_order(orders)]
+    rec = dataclasses.replace(_ladder_run(2, 1.0, [1.0, 1.0]), pipeline=PipelineFacts(
+        pp=2, schedule="1f1b", microbatches=m, bubble_theory=comm.bubble_fraction(2, m), bubble_measured=0.5,
+        max_in_flight=[2, 1], schedule_trace=events))
+    (row,) = bubble_rows([rec])
+    assert row["stage_ms"] == [1.0, 2.0] and row["bubble_theory"] == 0.2
+    assert row["bubble_uneven"] == round(sum(comm.uneven_bubble(times, m)) / 2, 3) > row["bubble_theory"]
+    assert row["bubble_free_comm"] == pytest.approx(row["bubble_uneven"], abs=0.05) and row["bubble_measured"] == 0.5
+    steady = dataclasses.replace(rec, pipeline=dataclasses.replace(rec.pipeline, stage_ms=[3.0, 3.0]))
+    assert bubble_rows([steady])[0]["stage_ms"] == [3.0, 3.0]  # the median over steps wins over the last step
+
+
+def test_schedule_facts_keep_the_median_stage_times():
+    from labkit.parallel.pipeline_trace import schedule_facts
+
+    def step(slow: float):  # rank 0: one F and one B of 1 ms; rank 1 of `slow` ms; (kind, mb, t0, t1) in seconds
+        return [[("F", 0, 0.0, 0.001), ("B", 0, 0.002, 0.003)],
+                [("F", 0, 0.0, slow / 1e3), ("B", 0, 0.01, 0.01 + slow / 1e3)]]
+
+    steps = [step(9.0), step(9.0), step(2.0), step(50.0), step(2.0)]  # two warm-up steps, one preempted step
+    facts = schedule_facts([[s[r] for s in steps] for r in range(2)], stages=2, microbatches=1, skip=2)
+    assert facts["stage_ms"] == [2.0, 4.0]

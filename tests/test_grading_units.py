@@ -141,7 +141,9 @@ def test_check_kinds_pass_and_fail_with_a_fix():
     ok = lambda check: check.run(ev)  # noqa: E731
     assert ok(K.answer_close("m", 1, "mem", lambda e: 110.0, rtol=0.05)).passed
     close = ok(K.answer_close("m", 1, "mem", 50.0))
-    assert not close.passed and "not within 5% of the reference 50" in close.message
+    assert not close.passed and "not within 5% of labkit's value;" in close.message and "50" not in close.message
+    hidden = ok(K.answer_close("m", 1, "mem", 50.0, visible=False))  # the instructor's view names it
+    assert not hidden.passed and "not within 5% of labkit's value 50;" in hidden.message
     assert "record a finite number" in ok(K.answer_close("t", 1, "text", 1.0)).message
     assert "no answer 'nope' recorded" in ok(K.answer_close("n", 1, "nope", 1.0)).message
     assert ok(K.answer_equals("w", 1, "word", "zero-3")).passed

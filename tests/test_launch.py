@@ -167,6 +167,22 @@ def test_timeout_kills_every_rank(target_env, pid_dir, log_dir):
     assert_nothing_left(pid_dir)
 
 
+@pytest.mark.slow
+def test_a_taken_rendezvous_port_is_retried_on_a_new_one(target_env, pid_dir, log_dir, monkeypatch):
+    # Two test workers launching at once can both be handed one port by free_port(); the second store fails.
+    import socket
+
+    real = launch.free_port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        first = iter([taken.getsockname()[1]])
+        monkeypatch.setattr(launch, "free_port", lambda host="127.0.0.1": next(first, None) or real(host))
+        result = launch.run(TARGET, ["ok"], nproc=2, env=target_env, log_dir=log_dir, timeout_s=SLOW_S, stream=False)
+    assert "rank 0 of 2: sum=3" in result.output
+    assert_nothing_left(pid_dir)
+
+
 _LAUNCHERS: list[subprocess.Popen] = []
 
 

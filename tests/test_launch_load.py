@@ -1,4 +1,4 @@
-"""The launcher's process tests hold on a busy machine: 5 rounds of them while CPU hogs run.
+"""The launcher's process tests hold on a busy machine: 2 rounds of them while CPU hogs run.
 
 `make test` shares a 2-core machine with other work; the interrupt, kill and two-node tests used to
 fail there (leftover processes at a fixed-time check). This reruns them under one busy-loop process
@@ -14,7 +14,9 @@ import pytest
 
 from conftest import TESTS_DIR
 
-ROUNDS = 5
+#: 2, not 5: the hogs slow everything else the suite runs meanwhile, and a 2nd round already repeats each
+#: interrupt / kill / rendezvous race under load (the suite's own load and `make test` beside a hog add more).
+ROUNDS = 2
 HOG_S = 600  # upper bound on a hog's life if nothing stops it
 SELECTION = "keyboard_interrupt or killed_launcher or two_nodes"
 
@@ -30,7 +32,7 @@ def cpu_hogs():
 
 
 @pytest.mark.slow
-def test_launcher_tests_pass_five_times_under_cpu_load(cpu_hogs, tmp_path):
+def test_launcher_tests_pass_repeatedly_under_cpu_load(cpu_hogs, tmp_path):
     assert all(h.poll() is None for h in cpu_hogs), "the hogs should be running"
     env = {**os.environ, "LABKIT_LAUNCH_REPEAT": str(ROUNDS)}
     proc = subprocess.run([sys.executable, "-m", "pytest", str(TESTS_DIR / "test_launch.py"), "-q", "-x",

@@ -27,6 +27,7 @@ def launched(tmp_path_factory):
     return out, records
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_two_records_in_order_with_equal_losses(launched):
     _, (ddp, fsdp) = launched
     assert (ddp.strategy, fsdp.strategy) == ("ddp", "fsdp")
@@ -36,6 +37,7 @@ def test_two_records_in_order_with_equal_losses(launched):
     assert ddp.train.run_id != fsdp.train.run_id
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_before_hook_ran_in_the_same_job(launched):
     out, _ = launched
     rows = json.loads((out / "hook.json").read_text())

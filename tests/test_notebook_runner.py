@@ -52,6 +52,7 @@ def runs(nbdir, tmp_path_factory):
     return {r.name: r for r in result}
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_passing_notebook_is_ok_and_its_executed_copy_kept(runs, nbdir):
     run = runs["10_pass"]
     assert run.ok and run.status == "ok" and run.cell is None and run.ename == ""
@@ -61,6 +62,7 @@ def test_passing_notebook_is_ok_and_its_executed_copy_kept(runs, nbdir):
     assert got == {"profile": "a100x4", "extra": 7, "cwd": str(nbdir), "mpl": "Agg"}
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_failing_notebook_names_cell_2_and_the_exception(runs):
     run = runs["20_fail"]
     assert run.status == "failed" and not run.ok
@@ -72,6 +74,7 @@ def test_failing_notebook_names_cell_2_and_the_exception(runs):
     assert str(run.output) in line
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_failed_executed_copy_is_kept_with_the_traceback_in_place(runs):
     nb = nbformat.read(runs["20_fail"].output, as_version=4)
     errors = [c.source for c in nb.cells if c.cell_type == "code"
@@ -81,6 +84,7 @@ def test_failed_executed_copy_is_kept_with_the_traceback_in_place(runs):
     assert len(never) == 1 and never[0].outputs == []  # execution stopped at the failure
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_format_runs_is_a_table_with_every_notebook(runs):
     text = nbk.format_runs(list(runs.values()))
     header, *rows = text.splitlines()
@@ -89,6 +93,7 @@ def test_format_runs_is_a_table_with_every_notebook(runs):
     assert "cell 2: ZeroDivisionError" in rows[0]
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_timeout_fails_the_notebook_at_the_stuck_cell(tmp_path):
     path = write(tmp_path / "slow.ipynb", ["x = 1", "import time\ntime.sleep(600)"])
     run = nbk.run_notebook(path, out_dir=tmp_path / "out", timeout_s=2)
@@ -122,6 +127,7 @@ def test_find_notebooks_accepts_name_file_name_number_and_path(nbdir):
 
 
 # ---------------------------------------------------------------- hygiene and clean
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_clean_strips_outputs_and_keeps_every_source(runs, tmp_path):
     dirty = tmp_path / "dirty.ipynb"
     dirty.write_bytes(runs["20_fail"].output.read_bytes())
@@ -197,6 +203,7 @@ def cli(capsys, *args) -> tuple[int, str, str]:
     return exc.value.code, out, err
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_cli_run_exits_1_naming_the_failed_notebook_and_cell(capsys, nbdir, tmp_path):
     code, out, err = cli(capsys, "run", str(nbdir / "20_fail.ipynb"), str(nbdir / "10_pass.ipynb"),
                          "--out", str(tmp_path))
@@ -206,6 +213,7 @@ def test_cli_run_exits_1_naming_the_failed_notebook_and_cell(capsys, nbdir, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["10_pass.ipynb", "20_fail.ipynb"]
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_cli_run_exits_0_when_all_pass_and_reads_parameters_as_yaml(capsys, nbdir, tmp_path):
     code, out, _ = cli(capsys, "run", str(nbdir / "10_pass.ipynb"), "--out", str(tmp_path), "-p", "EXTRA", "42")
     assert code == 0 and out.splitlines()[1].split()[:2] == ["10_pass", "ok"]

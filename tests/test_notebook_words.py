@@ -74,3 +74,66 @@ def test_fsdp_notebook_shows_where_ddp_runs_out_of_memory():
     assert 'oom.ddp_vs_fsdp("llama2-7b"' in code and 'oom_model, oom_options = "llama2-7b"' in code
     # ... and both really run: on GPU the 7B model, in smoke under a cap the notebook asserts DDP exceeds
     assert 'for name in ("ddp", "fsdp")' in code and 'outcome["ddp"] == "OUT OF MEMORY"' in code
+
+
+# ---------------------------------------------------------------- issue 30: questions, hints, labels
+LABS = sorted(p.name[:2] for p in NOTEBOOKS.glob("0*_*.ipynb"))
+
+
+def question_numbers(key: str) -> list[tuple[int, int]]:
+    """The questions a notebook asks, as (lab, number), in notebook order: '**7.3**' opens a question."""
+    return [(int(a), int(b)) for a, b in re.findall(r"^\*\*(\d+)\.(\d+)\b", text(key), re.M)]
+
+
+@pytest.mark.parametrize("key", LABS)
+def test_questions_are_numbered_without_gaps(key):
+    numbers = question_numbers(key)
+    assert all(lab == int(key) for lab, _ in numbers), numbers
+    assert sorted(n for _, n in numbers) == list(range(1, len(numbers) + 1)), f"{key}: {numbers}"
+
+
+@pytest.mark.parametrize("key", LABS)
+def test_graded_questions_carry_the_notebooks_numbers(key):
+    # Every check named "N.k ..." grades a question the notebook asks, and every question is graded.
+    from labkit.course.grading import registry
+    from labkit.course.grading.evidence import identity
+    import nbformat
+
+    (path,) = NOTEBOOKS.glob(f"{key}_*.ipynb")
+    labels = {tuple(map(int, m.groups())) for c in registry.checks_for(identity(nbformat.read(path, 4)))
+              if (m := re.match(r"(\d+)\.(\d+)[a-z]?\b", c.name))}
+    assert labels == set(question_numbers(key))
+
+
+@pytest.mark.parametrize("key", LABS)
+def test_every_code_exercise_has_a_collapsed_hint_beside_it(key):
+    (path,) = NOTEBOOKS.glob(f"{key}_*.ipynb")
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] == "code" and "".join(cell["source"]).startswith("# EXERCISE"):
+            near = [cells[j] for j in (i - 2, i - 1, i + 1)
+                    if 0 <= j < len(cells) and cells[j]["cell_type"] == "markdown"]
+            assert any("<details><summary>Hint" in "".join(c["source"]) for c in near), \
+                f"{path.name} cell {i + 1}: no <details><summary>Hint</summary> next to the exercise"
+
+
+def test_the_harness_warning_is_dropped_for_the_course_tests_only():
+    # torch's "Converting a tensor with requires_grad=True to a scalar" from the course's own test files
+    # (shipped to the ranks by cloudpickle as "<dynamic-code>") is noise to a student; from student code it shows.
+    import types
+    import warnings
+
+    import cloudpickle
+
+    from labkit import quiet
+
+    code = ("import warnings\ndef f():\n    warnings.warn('Converting a tensor with requires_grad=True to a scalar "
+            "may lead to unexpected behavior.', UserWarning)\n")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet.filter_warnings()
+        for name in ("labkit_exercise_tests_03_ddp", "students_notebook"):
+            module = types.ModuleType(name)
+            exec(compile(code, "<dynamic-code>", "exec"), module.__dict__)
+            cloudpickle.loads(cloudpickle.dumps(module.f))()  # as the ranks receive it
+    assert len(seen) == 1 and "Converting a tensor" in str(seen[0].message)

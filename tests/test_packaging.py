@@ -1,4 +1,5 @@
-"""Packaging: the GPU conda environment, the pyproject, the console script, the Makefile and CI agree."""
+"""Packaging: the GPU conda environment, the pyproject, the class's lock, the console script, the
+Makefile and CI agree; the running venv is the locked one."""
 from __future__ import annotations
 
 import re
@@ -13,7 +14,10 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
+from labkit import lockfile
+
 ROOT = Path(__file__).resolve().parent.parent
+LOCK_FILE = ROOT / lockfile.LOCK_PATH
 
 # A conda package name -> the PyPI distribution of pyproject.toml it provides or exists for.
 # Conda names the torch build differently and ships CUDA pieces that pip gets inside wheels; each of
@@ -27,11 +31,11 @@ CONDA_TO_PYPI = {
     "cuda-nvcc": "deepspeed",      # nvcc, for the CUDA ops DeepSpeed JIT-compiles on first use
     "cuda-cudart-dev": "deepspeed",  # CUDA runtime headers for the same JIT builds
 }
-# `-e .` in the pip section installs labkit itself (and so the `labkit` command) on the GPU nodes.
+# `-e .` in the pip section installs labkit itself, the packages of pyproject.toml and the `labkit`
+# command on the GPU nodes, at the versions of the lock (`-c requirements/lock.txt`).
 PROJECT_ITSELF = "-e ."
+LOCK_OPTION = f"-c {lockfile.LOCK_PATH}"
 INSTALLERS = {"pip"}
-#: The torch the code is tested with (Makefile TORCH_PINS); environment.yml pins its CUDA build.
-TESTED_TORCH, TESTED_TORCHVISION = "2.14.1", "0.29.1"
 TORCH_INDEX_OPTION = "--extra-index-url"  # the installer conda needs for the `pip:` section, not a project dependency
 
 
@@ -82,8 +86,8 @@ def env_packages(env: dict) -> list[str]:
         names.append(normalize(CONDA_TO_PYPI.get(name, name)))
     for line in pip:
         line = line.split("#")[0].strip()
-        if line == PROJECT_ITSELF:
-            continue  # checked by test_env_installs_labkit_itself
+        if line in (PROJECT_ITSELF, LOCK_OPTION):
+            continue  # checked by test_env_installs_labkit_itself_with_the_lock
         if line.startswith(TORCH_INDEX_OPTION):
             continue  # checked by test_environment_yml_uses_a_cuda_build_of_torch
         assert not line.startswith("-"), f"environment.yml pip option {line!r} is not understood by this test"
@@ -91,10 +95,11 @@ def env_packages(env: dict) -> list[str]:
     return names
 
 
-def test_environment_yml_and_pyproject_name_the_same_packages(env, pyproject):
+def test_environment_yml_installs_only_packages_of_pyproject(env, pyproject):
+    # `-e .` brings every package of pyproject.toml; what environment.yml names beside it (the CUDA build
+    # of torch, conda's CUDA tools) must serve one of them.
     declared = {normalize(Requirement(r).name) for r in pyproject["project"]["dependencies"]}
     installed = set(env_packages(env))
-    assert sorted(declared - installed) == [], "in pyproject.toml but not in environment.yml"
     assert sorted(installed - declared) == [], "in environment.yml but not in pyproject.toml (or CONDA_TO_PYPI)"
 
 
@@ -116,17 +121,17 @@ def test_environment_yml_uses_a_cuda_build_of_torch(env):
     tag = f"cu{cuda.group(1)}{cuda.group(2)}"
     assert f"{TORCH_INDEX_OPTION} https://download.pytorch.org/whl/{tag}" in pip
     pins = {Requirement(p).name: str(Requirement(p).specifier) for p in pip if not p.startswith("-")}
-    assert pins["torch"] == f"=={TESTED_TORCH}+{tag}" and pins["torchvision"] == f"=={TESTED_TORCHVISION}+{tag}"
-    makefile = (ROOT / "Makefile").read_text()
-    assert f"torch=={TESTED_TORCH} torchvision=={TESTED_TORCHVISION}" in makefile, "the CPU venv pins the same"
+    locked = lockfile.parse(LOCK_FILE.read_text()).pins
+    assert pins["torch"] == f"=={locked['torch']}+{tag}" and pins["torchvision"] == f"=={locked['torchvision']}+{tag}"
 
 
-def test_env_python_satisfies_requires_python(env, pyproject):
+def test_env_python_satisfies_requires_python_and_is_the_locks(env, pyproject):
     conda, _ = split_env(env)
     pythons = [c for c in conda if conda_name(c) == "python"]
     assert len(pythons) == 1, "environment.yml must pin python once, e.g. python=3.11"
     version = re.search(r"(\d+\.\d+)", pythons[0]).group(1)
     assert version in SpecifierSet(pyproject["project"]["requires-python"])
+    assert version == lockfile.parse(LOCK_FILE.read_text()).python, "the lock was resolved for another Python"
 
 
 def test_env_has_pip_for_its_pip_section(env):
@@ -135,9 +140,54 @@ def test_env_has_pip_for_its_pip_section(env):
     assert "pip" in {conda_name(c) for c in conda}, "list pip itself, or conda warns and may use another pip"
 
 
-def test_env_installs_labkit_itself(env):
+def test_env_installs_labkit_itself_with_the_lock(env):
     _, pip = split_env(env)
-    assert PROJECT_ITSELF in [p.split("#")[0].strip() for p in pip]
+    lines = [p.split("#")[0].strip() for p in pip]
+    assert PROJECT_ITSELF in lines and LOCK_OPTION in lines
+    # conda writes the pip section to a requirements file beside environment.yml: paths are relative to it
+    assert (ROOT / "environment.yml").parent / lockfile.LOCK_PATH == LOCK_FILE and LOCK_FILE.is_file()
+
+
+# -- the class's lock ---------------------------------------------------------------------------------
+
+def test_the_lock_satisfies_pyproject(pyproject):
+    locked = lockfile.parse(LOCK_FILE.read_text()).pins
+    reqs = pyproject["project"]["dependencies"] + pyproject["project"]["optional-dependencies"]["test"]
+    for req in map(Requirement, reqs):
+        version = locked.get(normalize(req.name))
+        assert version is not None, f"{req.name} is not in {lockfile.LOCK_PATH}: run `make lock`"
+        assert req.specifier.contains(version, prereleases=True), f"lock has {req.name}=={version}, pyproject wants {req}"
+
+
+def test_the_venv_is_the_lock():
+    # What `make lock` would write from this venv agrees with the committed lock: every package of
+    # labkit's tree installed here is locked at its version, and every locked package is either
+    # installed at that version or not installed at all (an extra this venv lacks, e.g. on a GPU node).
+    freeze = subprocess.run([sys.executable, "-m", "pip", "freeze"], capture_output=True, text=True, timeout=120)
+    assert freeze.returncode == 0, freeze.stderr
+    dists = lockfile.distributions()
+    have = set(lockfile.lock_lines(freeze.stdout, lockfile.needed(dists)[1]))
+    want = set(LOCK_FILE.read_text().splitlines()) - {line for line in LOCK_FILE.read_text().splitlines()
+                                                       if line.startswith("#")}
+    drift = sorted(have - want) + sorted(line for line in want - have if line.split("==")[0] in dists)
+    assert drift == [], (f"this venv differs from {lockfile.LOCK_PATH} (installed vs locked: {drift}): "
+                         "`make venv` installs the lock; after changing pyproject.toml run `make lock`")
+    assert lockfile.parse(LOCK_FILE.read_text()).python == "%d.%d" % sys.version_info[:2]
+
+
+def test_every_makefile_install_uses_the_lock():
+    text = (ROOT / "Makefile").read_text()
+    assert re.search(rf"^LOCK := {re.escape(lockfile.LOCK_PATH)}$", text, re.M)
+    recipe = makefile_recipes()["$(BIN)/.installed"]
+    installs = [line for line in recipe.split("\n") if "pip install" in line and "--upgrade pip" not in line]
+    assert len(installs) == 2 and all("-c $(LOCK)" in line for line in installs), installs
+    assert "$(LOCK)" in next(line for line in text.splitlines() if line.startswith("$(BIN)/.installed:")), \
+        "a new lock must reinstall the venv"
+    # torch/torchvision pins come from the lock; the wheel index from the node's driver (tests/test_lock.py)
+    assert re.search(r"^TORCH_PINS = \$\(shell grep -E '\^torch\(vision\)\?==' \$\(LOCK\)\)$", text, re.M)
+    assert "labkit/cudadriver.py" in recipe
+    lock = makefile_recipes()["lock"]
+    assert "pip freeze | $(BIN)/python -m labkit.lockfile > $(LOCK).new" in lock
 
 
 def test_console_script_labkit(pyproject):
@@ -155,7 +205,7 @@ def makefile_recipes() -> dict[str, str]:
     recipes: dict[str, str] = {}
     current = None
     for line in (ROOT / "Makefile").read_text().splitlines():
-        rule = re.match(r"^([A-Za-z0-9_.\-]+)\s*:(?!=)", line)
+        rule = re.match(r"^([A-Za-z0-9_.\-$()/]+)\s*:(?!=)", line)
         if rule:
             current = rule.group(1)
             recipes[current] = ""

@@ -193,6 +193,7 @@ def lora_runs(tmp_path_factory):
             "fsdp": run("lora", "tiny-llama", nproc=2, lora_parallel="fsdp", **common)}
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_lora_record_reports_trainable_params_fraction_and_adapter_size(lora_runs):
     rec = lora_runs["single"]
     assert rec.trainable_params == 3584 == rec.peft.total_params - 106_816  # r (d_in + d_out) x q,v x 2
@@ -202,6 +203,7 @@ def test_lora_record_reports_trainable_params_fraction_and_adapter_size(lora_run
     assert rec.optimizer_bytes[0] >= 2 * 4 * 3584  # AdamW's two fp32 moments (+ step counters)
 
 
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_lora_data_parallel_matches_single_process(lora_runs, mode):
     single, rec = lora_runs["single"], lora_runs[mode]

@@ -44,9 +44,9 @@ def test_what_fits_175b_on_64_a100(gpt3_plan):
     for o in gpt3_plan.fits:
         assert o.dp * o.tp * o.pp == 64 and o.tp <= 8
         assert o.memory_bytes <= GPT3_ON_64.capacity_bytes
-        assert not (o.pp > 1 and o.zero >= 2)
     layouts = {(o.dp, o.tp, o.pp) for o in gpt3_plan.fits}
     assert (1, 8, 8) in layouts  # TP inside the node, PP across the 8 nodes, no room left for DP
+    assert any(o.pp > 1 and o.zero >= 2 for o in gpt3_plan.fits)  # ZeRO-2/3 compose with PP (Llama 3, torchtitan)
     assert all(o.tp * o.pp >= 8 or o.zero == 3 for o in gpt3_plan.fits)  # 2.8 TB of states need splitting
     steps = [o.step_s for o in gpt3_plan.fits]
     assert steps == sorted(steps)
@@ -61,7 +61,7 @@ def test_memory_comes_from_the_estimator(gpt3_plan):
     o = next(o for o in gpt3_plan.fits if (o.dp, o.tp, o.pp) == (1, 8, 8))
     cfg = MemoryConfig(model="gpt3-175b", precision="mixed-bf16", zero=o.zero, dp=1, tp=8, pp=8, gpus=64,
                        batch=GPT3_ON_64.batch, grad_accum=o.microbatches, seq=2048, checkpointing="full",
-                       sequence_parallel=True)
+                       sequence_parallel=True, fused_kernels=True)
     assert o.memory_bytes == estimate(cfg).total
     assert o.bubble == pytest.approx(7 / (o.microbatches + 7), abs=1e-4)
 
@@ -75,7 +75,7 @@ def test_tp_communication_is_costlier_across_more_ranks():
 
 def test_heads_must_split_evenly():
     req = planner.PlanRequest(model="tiny-llama", gpus=8, gpus_per_node=8)
-    with pytest.raises(ConfigError, match="does not divide num_attention_heads=4"):
+    with pytest.raises(ConfigError, match="does not divide the model's 4 heads"):
         planner.check_layout(req, dp=1, tp=8, pp=1)
     assert all(o.tp <= 2 for o in planner.plan(req).fits)  # 2 kv heads
 
@@ -101,7 +101,7 @@ def test_cli_ranks_layouts(capsys):
     assert [line.split()[0] for line in lines[2:5]] == ["1", "2", "3"]
     assert "tp=16 > 8 GPUs per node" in out
     assert lines[1].split()[-3:] == ["mfu", "hfu", "TFLOPS"]
-    assert "assumes matmuls at" in out and "published_runs.json" in out  # which assumption, and its source
+    assert "assumes bf16 matmuls at" in out and "published_runs.json" in out  # which assumption, and its source
 
 
 def test_cli_json_and_the_512_gpu_error(capsys):
@@ -123,7 +123,7 @@ def test_cli_json_and_the_512_gpu_error(capsys):
 def test_cli_checks_one_layout(capsys):
     code, out, _ = run_main(["plan", "--model", "gpt3-175b", "--gpus", "64", "--gpus-per-node", "8",
                              "--tp", "8", "--pp", "8", "--dp", "1"], capsys)
-    assert code == 0 and "dp=1 tp=8 pp=8 zero=0" in out and "fits" in out and "assumes matmuls at" in out
+    assert code == 0 and "dp=1 tp=8 pp=8 zero=0" in out and "fits" in out and "assumes bf16 matmuls at" in out
     code, out, _ = run_main(["plan", "--model", "gpt3-175b", "--gpus", "64", "--gpus-per-node", "8", "--tp", "8",
                              "--pp", "8", "--dp", "1", "--matmul-efficiency", "0.5", "--json"], capsys)
     data = json.loads(out)
@@ -134,7 +134,7 @@ def test_the_old_optimistic_mfu_is_gone():
     """Issue 19: matmuls at 100 % of peak planned mfu 0.86 / 0.69; published A100 runs reach <= 0.563."""
     one = planner.evaluate(planner.PlanRequest(model="gpt3-175b", gpus=64, gpus_per_node=8, batch=256,
                                                checkpointing="selective"), dp=1, tp=8, pp=8, zero=0, micro_batch=1)
-    assert 0.45 < one.mfu < 0.65 and one.hfu > one.mfu
+    assert 0.45 < one.mfu < 0.65 and one.hfu >= one.mfu  # flash keeps its output: selective redoes no matmul
 
 
 def test_plan_does_not_import_torch():

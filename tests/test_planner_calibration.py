@@ -1,63 +1,131 @@
-"""The planner's time model (labkit.parallel.perf_model) against published large-scale runs
-(labkit/data/published_runs.json): pure Python, milliseconds per test."""
+"""The planner's time model (labkit.parallel.perf_model) against published runs (labkit/data/published_runs.json):
+rows it was fitted on and rows it never saw. Pure Python; the refit tests take a few seconds."""
 from __future__ import annotations
-
-import json
-import math
 
 import pytest
 
-from labkit.parallel import perf_model
-from labkit.parallel import planner
-from labkit.parallel import published_runs
 from labkit.errors import ConfigError
+from labkit.memory.estimate import MemoryConfig, estimate
+from labkit.parallel import calibration, comm, hardware, perf_model, planner, published_runs
 
-CALIBRATED = published_runs.runs(calibration_only=True)
-A100 = perf_model.DEFAULT_EFFICIENCY[("a100", "bf16")]
+RUNS = published_runs.runs()
+COUNTED = [r for r in RUNS if r.counts]
+A100 = hardware.default_efficiency("a100-80gb")
+#: Held-out rows the model misses by more than 20 % (bench/planner_heldout.py prints why; docs/model_parallel.md
+#: "Where the model is weak"): MT-NLG's three iteration times fit (m + 34) x 0.196 s + 6.3 s; the model has the
+#: bubble but no 6.3 s per-step term, and its slot sits between Narayanan 2021 and Korthikanti 2022.
+KNOWN_MISSES = {"mt-nlg-530b-2240", "mt-nlg-530b-2800", "mt-nlg-530b-3360"}
+ASSUMABLE = {"micro_batch", "interleave", "batch", "gpus", "seq", "vocab", "checkpointing", "flash", "counts_recompute",
+             "tp", "pp", "zero", "gpu", "inter_node_gbps"}
 
 
-@pytest.fixture(autouse=True)
-def no_node_measurement(tmp_path, monkeypatch):
-    """Plans must not pick up a perf file from the machine running the tests."""
-    monkeypatch.setenv(perf_model.PERF_FILE_ENV, str(tmp_path / "absent.json"))
-
-
-def test_the_table_cites_its_sources():
+def test_the_table_cites_its_sources_and_marks_every_row():
     sources = published_runs.sources()
-    rows = published_runs.runs()
-    assert len(CALIBRATED) >= 20 and {r.source for r in CALIBRATED} >= {"narayanan2021", "korthikanti2022"}
-    for r in rows:
-        assert r.source in sources and r.where and r.note, r.id
-        assert r.dp * r.tp * r.pp == r.gpus, r.id
-        assert set(r.assumed) <= {"micro_batch", "interleave", "batch", "gpus", "seq", "vocab", "checkpointing",
-                                  "flash", "counts_recompute"}, r.id
-    for r in rows:
-        if not r.calibration:
-            assert "NOT VERIFIED" in r.note, r.id
+    assert {r.status for r in RUNS} == {"calibration", "held_out"}
+    assert sum(not r.calibration for r in COUNTED) >= 15  # held out, and counted
+    for r in RUNS:
+        assert r.source in sources and r.where and r.verified, r.id
+        assert r.dp * r.tp * r.pp * r.layout().cp == r.gpus, r.id
+        assert set(r.assumed) <= ASSUMABLE, r.id
+        assert not r.uncertain or "'" in r.uncertain, f"{r.id}: 'uncertain' must quote the source"
+    assert not any(r.uncertain for r in RUNS if r.calibration)
 
 
-@pytest.mark.parametrize("run", CALIBRATED, ids=[r.id for r in CALIBRATED])
-def test_prediction_within_20_percent_of_the_paper(run):
-    p = run.predict()
-    got, want = getattr(p, run.metric), run.reported[run.metric]
-    assert abs(got / want - 1) <= 0.20, f"{run.id}: predicted {run.metric} {got:.3f}, paper {want:.3f}"
-    if "hfu" in run.reported and run.metric == "mfu":  # Korthikanti et al. report both
-        assert abs(p.hfu / run.reported["hfu"] - 1) <= 0.20
+def _param(rows):
+    return [pytest.param(r, id=r.id, marks=pytest.mark.xfail(strict=True, reason="known held-out miss"))
+            if r.id in KNOWN_MISSES else pytest.param(r, id=r.id) for r in rows]
 
 
-@pytest.mark.parametrize("run", CALIBRATED, ids=[r.id for r in CALIBRATED])
-def test_never_above_the_best_published_mfu(run):
-    assert run.predict().mfu <= published_runs.best_mfu(perf_model.gpu_family(run.gpu))
+@pytest.mark.parametrize("run", _param(COUNTED))
+def test_every_counted_row_within_20_percent_in_tokens_per_s(run):
+    e = run.compare()
+    assert abs(e["rel_err"]) <= 0.20, f"{run.id}: predicted {e['predicted_tps']} tokens/s/GPU, published {e['published_tps']}"
 
 
-def test_the_error_is_not_one_sided():
-    errors = [r["rel_err"] for r in published_runs.compare() if r["calibration"]]
-    assert min(errors) < 0 < max(errors) and abs(sum(errors) / len(errors)) < 0.05
+def test_the_constants_are_the_fit_of_the_calibration_rows():
+    fitted = calibration.fit()
+    for key, value in hardware.CONSTANTS.items():
+        assert fitted[key] == pytest.approx(value, abs=0.006), key
+    assert set(calibration.free_constants(published_runs.runs(calibration_only=True))) == {
+        "matmul_efficiency.a100", "matmul_efficiency.h100", "comm_efficiency.nvlink", "overlap_efficiency"}
+
+
+def test_constants_fitted_on_korthikanti_alone_predict_narayanan():
+    """Cross-validation in miniature (the whole leave-one-source-out is bench/planner_heldout.py)."""
+    train = [r for r in RUNS if r.source == "korthikanti2022"]
+    constants = calibration.fit(train)
+    assert "overlap_efficiency" not in calibration.free_constants(train)  # no DP-bound row: keeps its prior
+    for e in calibration.errors([r for r in RUNS if r.source == "narayanan2021" and r.counts], constants):
+        assert abs(e["rel_err"]) <= 0.20, e["id"]
+
+
+def test_zero3_only_collapses_with_gpus_and_loses_to_3d_on_1024():
+    """Narayanan 2021 Table 2: ZeRO-3 without model parallelism fell 144 -> 44 TFLOPS from 384 to 1536 GPUs."""
+    tflops = {}
+    for gpus in (384, 1536):
+        req = planner.PlanRequest(model="gpt3-175b", gpus=gpus, gpus_per_node=8, batch=1536, flash=False,
+                                  sequence_parallel=False)
+        o = planner.evaluate(req, gpus, 1, 1, 3, 1536 // gpus)
+        assert o.comm_s["dp"] > 0 and o.comm_bytes["dp"] > 0
+        tflops[gpus] = o.tflops_per_gpu
+    assert tflops[1536] <= tflops[384] / 2
+    best = planner.plan(planner.PlanRequest(model="gpt3-175b", gpus=1024, gpus_per_node=8, batch=1536)).fits[0]
+    assert not (best.tp == 1 and best.pp == 1), best.layout
+
+
+def test_zero3_traffic_is_three_or_four_collectives_per_layer_and_micro_batch():
+    spec = published_runs.runs()[0].spec()
+    base = dict(dp=64, tp=1, pp=1, micro_batch=1, microbatches=2, zero=3, checkpointing="full")
+    deepspeed = perf_model.Layout(**base)
+    fsdp = perf_model.Layout(**base, fsdp=True)
+    kw = dict(seq=2048, gpu="a100-80gb", gpus_per_node=8, efficiency=A100)
+    layer_bytes = 2 * spec.params / spec.arch["layers"]
+    one = comm.bytes_sent("all_gather", layer_bytes, 64)
+    assert perf_model.step_time(spec, fsdp, **kw).comm_bytes["dp"] == pytest.approx(2 * 24 * 3 * one, rel=1e-6)
+    assert perf_model.step_time(spec, deepspeed, **kw).comm_bytes["dp"] == pytest.approx(2 * 24 * 4 * one, rel=1e-6)
+    ddp = perf_model.step_time(spec, perf_model.Layout(**{**base, "zero": 0}), **kw)
+    assert ddp.comm_bytes["dp"] == pytest.approx(24 * comm.bytes_sent("all_reduce", layer_bytes, 64), rel=1e-6)
+    assert 0 < ddp.dp_s < ddp.dp_total_s  # mostly hidden behind the backward
+
+
+def test_inside_a_node_dp_runs_on_nvlink_and_a_slower_fabric_slows_it():
+    spec = published_runs.runs()[0].spec()
+    kw = dict(seq=2048, gpu="a100-80gb", gpus_per_node=8, efficiency=A100)
+    lay = perf_model.Layout(dp=8, tp=1, pp=1, micro_batch=1, microbatches=1, zero=3)
+    assert perf_model.step_time(spec, lay, **kw).dp_total_s < perf_model.step_time(
+        spec, perf_model.Layout(**{**lay.__dict__, "dp": 16}), **kw).dp_total_s / 3
+    wide = perf_model.Layout(**{**lay.__dict__, "dp": 64})
+    slow = perf_model.step_time(spec, wide, **kw, inter_node_gbps=50)
+    assert slow.dp_total_s == pytest.approx(4 * perf_model.step_time(spec, wide, **kw).dp_total_s, rel=0.02)
+
+
+def test_hsdp_gathers_inside_the_node_and_reduces_across():
+    spec = published_runs.runs()[0].spec()
+    kw = dict(seq=2048, gpu="a100-80gb", gpus_per_node=8, efficiency=A100)
+    flat = perf_model.Layout(dp=64, tp=1, pp=1, micro_batch=1, microbatches=4, zero=3, fsdp=True)
+    hsdp = perf_model.Layout(**{**flat.__dict__, "shard_group": 8})
+    assert perf_model.step_time(spec, hsdp, **kw).dp_total_s < perf_model.step_time(spec, flat, **kw).dp_total_s
+    with pytest.raises(ConfigError, match="shard_group=5"):
+        perf_model.Layout(**{**flat.__dict__, "shard_group": 5})
+
+
+def test_interleaving_shrinks_the_bubble_and_fp8_speeds_the_linears():
+    run = next(r for r in RUNS if r.id == "llama3-405b-8192")
+    one = perf_model.Layout(**{**run.layout().__dict__, "interleave": 1})
+    kw = dict(seq=run.seq, gpu=run.gpu, gpus_per_node=8, efficiency=hardware.default_efficiency("h100-sxm"))
+    assert perf_model.step_time(run.spec(), one, **kw).bubble > run.predict().bubble * 4
+    fp8 = perf_model.Layout(**{**run.layout().__dict__, "precision": "fp8"})
+    eff8 = hardware.default_efficiency("h100-sxm", "fp8")  # the bf16 share of the ceiling, of the fp8 ceiling
+    ratio = hardware.MAMF[("h100", "fp8")] / hardware.MAMF[("h100", "bf16")]
+    assert "MAMF" in eff8.source and eff8.value == pytest.approx(hardware.CONSTANTS["matmul_efficiency.h100"] * ratio, abs=1e-4)
+    assert perf_model.step_time(run.spec(), fp8, **{**kw, "efficiency": eff8}).step_s < run.predict().step_s
+    with pytest.raises(ConfigError, match="no FP8 tensor cores"):
+        hardware.default_efficiency("a100-80gb", "fp8")
 
 
 @pytest.mark.parametrize("mode,low,high", [("none", 1.0, 1.0), ("selective", 1.001, 1.06), ("full", 1.25, 1.34)])
 def test_recomputation_counts_in_hfu_only(mode, low, high):
-    run = next(r for r in CALIBRATED if r.id == "korthikanti-175b-selective")
+    run = next(r for r in RUNS if r.id == "korthikanti-175b-selective")
     lay = perf_model.Layout(**{**run.layout().__dict__, "checkpointing": mode})
     p = perf_model.step_time(run.spec(), lay, seq=run.seq, gpu=run.gpu, gpus_per_node=8, efficiency=A100)
     assert low <= p.hfu / p.mfu <= high
@@ -65,7 +133,7 @@ def test_recomputation_counts_in_hfu_only(mode, low, high):
 
 
 def test_full_recompute_is_slower_than_selective_by_about_the_paper_s_30_percent():
-    by_id = {r.id: r for r in CALIBRATED}
+    by_id = {r.id: r for r in RUNS}
     for size in ("22b", "175b", "530b", "1t"):
         full, sel = by_id[f"korthikanti-{size}-full"], by_id[f"korthikanti-{size}-selective"]
         ratio = full.predict().step_s / sel.predict().step_s
@@ -73,24 +141,30 @@ def test_full_recompute_is_slower_than_selective_by_about_the_paper_s_30_percent
         assert ratio == pytest.approx(paper, rel=0.1), size
 
 
-def test_tp_communication_is_exposed_and_dp_reduce_hidden():
-    run = next(r for r in CALIBRATED if r.id == "megatron-t1-1.7b")  # dp=32, the grads fit under backward
-    p = run.predict()
-    assert p.tp_s == 0 and p.dp_s == 0 and p.comm_bytes["dp"] > 0
-    big = next(r for r in CALIBRATED if r.id == "korthikanti-175b-full").predict()
-    assert big.tp_s > 0.05 * big.step_s
+def test_published_layouts_fit_in_memory():
+    """Every row's layout fits the planner's usable share of its GPU. Llama 3 405B at 8K without recomputation
+    (TP8 PP16 DP64/128) fits only with fused kernels' activations: HF's eager modules keep an fp32 copy of every
+    norm input and four SwiGLU intermediates, which Megatron/Meta/torchtitan (compiled) do not."""
+    for run in RUNS:
+        est = published_runs.memory(run)
+        assert est.total <= hardware.gpu_spec(run.gpu).memory_gb * 1e9 * planner.USABLE, (run.id, est.total / 1e9)
+    llama3 = next(r for r in RUNS if r.id == "llama3-405b-8192")
+    cfg = MemoryConfig(model=llama3.id, zero=2, dp=64, tp=8, pp=16, batch=32, grad_accum=32, seq=8192,
+                       checkpointing="none", sequence_parallel=True)
+    assert estimate(cfg, spec=llama3.spec()).total > 80e9  # the HF-eager accounting (issue 27: 114-122 GB)
+    titan = next(r for r in RUNS if r.id == "torchtitan-8b-fsdp8")  # 82.4 GiB measured on 96 GB H100s
+    assert published_runs.memory(titan).total == pytest.approx(82.4 * 2**30, rel=0.05)
 
 
 def test_megatron_34_days_for_gpt3_on_1024_a100():
     """Narayanan et al. 2021 Sec. 5.1: 8TP/(nX) = 34 days for 175B, 300B tokens, 1024 A100 at 140 TFLOPS."""
     lay = perf_model.Layout(dp=16, tp=8, pp=8, micro_batch=1, microbatches=96, checkpointing="full",
-                            sequence_parallel=False, flash=False)  # batch 1536, Megatron's 2021 kernels
+                            sequence_parallel=False, flash=False, dp_overlap=False)  # Megatron's 2021 kernels
     b = planner.budget("gpt3-175b", 300e9, lay, 1024, price_per_gpu_hour=2.0)
     assert b.days == pytest.approx(34, rel=0.15)
     eq4 = 8 * 300e9 * 174.6e9 / (1024 * b.tflops_per_gpu * 1e12) / 86400  # the paper's formula at our X
     assert b.days == pytest.approx(eq4, rel=0.05)
     assert b.gpu_hours == pytest.approx(b.days * 24 * 1024) and b.cost == pytest.approx(2.0 * b.gpu_hours)
-    assert 0 < b.mfu < b.hfu < published_runs.best_mfu("a100") * 4 / 3
 
 
 def test_budget_refuses_a_wrong_gpu_count():
@@ -102,58 +176,67 @@ def test_budget_refuses_a_wrong_gpu_count():
 def test_seed_scenario_plans_a_published_mfu():
     result = planner.plan(planner.PlanRequest(model="gpt3-175b", gpus=64, gpus_per_node=8))
     best = result.fits[0]
-    assert 0.30 <= best.mfu <= published_runs.best_mfu("a100")
+    assert 0.30 <= best.mfu <= 0.65  # flash and fused kernels: above 2022's 0.563, below FA2's 0.72 on 8 GPUs
     assert best.hfu > best.mfu  # full recomputation by default
     assert result.to_dict(top=1)["assumption"]["matmul_efficiency"] == A100.value
 
 
-def test_measured_efficiency_overrides_the_default(tmp_path, monkeypatch):
-    perf = tmp_path / "perf.json"
-    perf.write_text(json.dumps({"measurements": [
-        {"gpu": "a100-80gb", "precision": "bf16", "efficiency": 0.6, "tool": "labkit preflight"}]}))
-    monkeypatch.setenv(perf_model.PERF_FILE_ENV, str(perf))
-    req = planner.PlanRequest(model="llama2-7b", gpus=8, gpus_per_node=8)
-    assert req.efficiency.value == 0.6 and "labkit preflight" in req.efficiency.source
-    slow = planner.evaluate(req, 8, 1, 1, 1, 1)
-    fast = planner.evaluate(planner.PlanRequest(model="llama2-7b", gpus=8, gpus_per_node=8, matmul_efficiency=0.8),
-                            8, 1, 1, 1, 1)
-    assert fast.step_s < slow.step_s and fast.mfu > slow.mfu
-    h100 = planner.PlanRequest(model="llama2-7b", gpus=8, gpus_per_node=8, gpu="h100-80gb")
-    assert h100.efficiency == perf_model.DEFAULT_EFFICIENCY[("h100", "bf16")]  # no H100 row in the file
-
-
-@pytest.mark.parametrize("content,match", [("{not json", "cannot read matmul measurements"),
-                                           ('{"measurements": [{"gpu": "a100-80gb", "efficiency": 1.5}]}',
-                                            r"efficiency=1\.5")])
-def test_a_broken_perf_file_says_what_to_do(tmp_path, monkeypatch, content, match):
-    perf = tmp_path / "perf.json"
-    perf.write_text(content)
-    monkeypatch.setenv(perf_model.PERF_FILE_ENV, str(perf))
-    with pytest.raises(ConfigError, match=match):
-        planner.PlanRequest(model="llama2-7b", gpus=8, gpus_per_node=8)
-
-
 def test_compare_table_prints_every_run():
-    rows = published_runs.compare()
-    text = published_runs.format_compare(rows)
-    assert len(text.splitlines()) == len(published_runs.runs()) + 1 and "korthikanti-1t-selective" in text
+    text = published_runs.format_compare(published_runs.compare())
+    assert len(text.splitlines()) == len(RUNS) + 1 and "korthikanti-1t-selective" in text and "uncertain" in text
 
 
-def _mean_log_error(rows, value):
-    eff = perf_model.Efficiency(value, "test")
-    return sum(math.log(getattr(r.predict(eff), r.metric) / r.reported[r.metric]) for r in rows) / len(rows)
+def test_thin_gemms_run_slower_and_megatron_s_weak_scaling_rises_with_size():
+    """The roofline in perf_ops: same FLOPs, thinner GEMM -> more HBM bytes per FLOP -> lower achieved rate; and
+    Narayanan 2021 Table 1's HFU rising from 44 % (1.7B) to 52 % (530B) comes out of the model, not a constant."""
+    from labkit.parallel import perf_ops
+
+    rate, hbm = 300e12, 2e12
+    fat, thin = perf_ops.gemm_s(8192, 8192, 8192, rate, hbm), perf_ops.gemm_s(8192 * 64, 128, 8192, rate, hbm)
+    assert 2 * 8192**3 / fat > 1.5 * 2 * 8192**3 / thin
+    by_id = {r.id: r for r in RUNS}
+    small, large = by_id["megatron-t1-1.7b"].compare(), by_id["megatron-t1-529.6b"].compare()
+    assert large["tflops_per_gpu"] > 1.08 * small["tflops_per_gpu"]
 
 
-@pytest.mark.parametrize("fit,check", [("narayanan2021", "korthikanti2022"), ("korthikanti2022", "narayanan2021")])
-def test_an_efficiency_fitted_on_one_paper_predicts_the_other(fit, check):
-    """The one free number is not hiding a wrong structure: fit it on one paper's runs (bisection on
-    the mean log error), then every run of the other paper must still land within 20 %."""
-    train = [r for r in CALIBRATED if r.source == fit]
-    lo, hi = 0.3, 1.0
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _mean_log_error(train, mid) < 0 else (lo, mid)
-    eff = perf_model.Efficiency(lo, "test")
-    assert 0.6 < lo < 0.85
-    for r in (r for r in CALIBRATED if r.source == check):
-        assert abs(getattr(r.predict(eff), r.metric) / r.reported[r.metric] - 1) <= 0.20, (r.id, lo)
+def test_eager_elementwise_kernels_cost_what_torch_compile_saves():
+    """torchtitan Table 1: FSDP 5,762 -> FSDP + torch.compile 6,667 tokens/s per GPU (8 H100). The model's gain
+    comes from the eager kernels' HBM bytes alone (perf_ops.elementwise_bytes)."""
+    by_id = {r.id: r for r in RUNS}
+    eager, compiled = by_id["torchtitan-8b-fsdp8"], by_id["torchtitan-8b-fsdp8-compile"]
+    assert eager.layout().eager and not compiled.layout().eager
+    gain = compiled.predict().tokens_per_s_per_gpu / eager.predict().tokens_per_s_per_gpu
+    assert gain == pytest.approx(6667 / 5762, abs=0.12)
+
+
+def test_op_level_recomputation_redoes_every_second_matmul():
+    """torchtitan's _save_list policy: in a block's forward order wq, wk, wv, wo, w1, w3, w2 the even-numbered mm
+    outputs (wk, wo, w3) are recomputed."""
+    spec = next(r for r in RUNS if r.id == "torchtitan-8b-fsdp8").spec()
+    redo = perf_model.recompute_flops(spec, 8192, "selective", flash=True, policy="op")
+    names = {lin.name: lin for lin in spec.linears}
+    assert redo == 2 * sum(names[n].fan_in * names[n].fan_out for n in ("k_proj", "o_proj", "up_proj"))
+    assert perf_model.recompute_flops(spec, 8192, "selective", flash=True) == 0.0  # 'core' with flash: nothing
+
+
+def test_deepspeed_p2p_constant_is_what_its_schedule_replay_gives():
+    import runpy
+    from pathlib import Path
+
+    sim = runpy.run_path(str(Path(__file__).parents[1] / "bench" / "pipeline_p2p_sim.py"))["simulate"]
+    assert sim(4, 16, 3.0, 0.0) == (16 + 3) * 4.0  # no communication: exactly 1F1B
+    exposed = (sim(8, 32, 3.0, 0.05) - sim(8, 32, 3.0, 0.0)) / (32 * 0.05)
+    assert exposed == pytest.approx(perf_model.DEEPSPEED_P2P_EXPOSED, rel=0.15)
+
+
+
+def test_async_tp_hides_at_most_the_gemm_beside_it_and_deepspeed_exposes_more_p2p():
+    by_id = {r.id: r for r in RUNS}
+    vanilla, overlapped = by_id["torchtitan-8b-fsdp8-tp8"].predict(), by_id["torchtitan-8b-fsdp8-tp8-async"].predict()
+    assert vanilla.tp_s / 8 < overlapped.tp_s < vanilla.tp_s  # the first of 8 chunks always waits
+    mtnlg = by_id["mt-nlg-530b-2240"]
+    megatron = perf_model.Layout(**{**mtnlg.layout().__dict__, "pipeline_engine": "megatron"})
+    kw = dict(seq=mtnlg.seq, gpu=mtnlg.gpu, gpus_per_node=8, efficiency=A100)
+    assert mtnlg.predict().pp_s == pytest.approx(2 * perf_model.step_time(mtnlg.spec(), megatron, **kw).pp_s)
+    h100 = hardware.gpu_spec("h100-96gb")  # torchtitan's 500 W part: between the NVL (400 W) and SXM (700 W)
+    assert h100.peak_tflops == pytest.approx(835 + (989 - 835) * (500 - 400) / (700 - 400), abs=1)

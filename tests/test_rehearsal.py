@@ -360,33 +360,3 @@ def test_every_strategy_a_lab_trains_in_bf16_communicates_over_real_ranks(tmp_pa
         if name not in ("ddp", "expert-parallel-tiny-moe", "fsdp-qlora"):  # other model / quantized base
             assert rec.losses[0] == pytest.approx(ref, rel=0.02), (name, rec.losses[0], ref)
 
-
-# ------------------------------------------------------------------------------------ the preflight
-def test_a_second_preflight_in_the_same_folder_never_reads_the_first_ones_records(tmp_path, monkeypatch):  # finding 5
-    from labkit.course import preflight
-    from labkit.errors import LaunchError
-
-    plan = [("ddp", "tinyllama-1.1b", {}), ("single", "resnet50", {}), ("fsdp", "tinyllama-1.1b", {"amp": "bf16"})]
-    first, second = preflight.launched_runs(plan), preflight.launched_runs(plan)
-    assert [s for s, _ in first] == ["ddp", "fsdp"]
-    assert not {o["run_id"] for _, o in first} & {o["run_id"] for _, o in second}
-
-    def dies(*args, **kwargs):  # the node's launch fails before any record is written
-        raise LaunchError("rank 0 died")
-
-    monkeypatch.setattr("labkit.train.many.run_many", dies)
-    checks = preflight._train_many(get_profile("a100x4"), second, dict(out=str(tmp_path)), tmp_path)
-    assert [(c.strategy, c.status) for c in checks] == [("ddp", "failed"), ("fsdp", "failed")]
-
-
-def test_the_preflight_trains_every_precision_and_cap_the_labs_use(monkeypatch):  # finding 9
-    from labkit.course import preflight, profile_check
-
-    runs = [("04", "fsdp", "fsdp", "tinyllama-1.1b", {"amp": "none", "nproc": 4}),
-            ("04", "fsdp-bf16", "fsdp", "tinyllama-1.1b", {"amp": "bf16", "nproc": 4}),
-            ("05", "fsdp", "fsdp", "tinyllama-1.1b", {"amp": "bf16", "nproc": 4}),
-            ("06", "lora", "lora", "tinyllama-1.1b", {"amp": "bf16", "nproc": 1}),
-            ("06", "lora 24 GB", "lora", "tinyllama-1.1b", {"amp": "bf16", "memory_cap_gb": 24.0, "nproc": 1})]
-    monkeypatch.setattr(profile_check, "lab_runs", lambda profile: runs)
-    planned = [(s, o.get("amp"), o.get("memory_cap_gb")) for s, _, o in preflight.runs_for(get_profile("a100x4"))]
-    assert planned == [("fsdp", "none", None), ("fsdp", "bf16", None), ("lora", "bf16", None), ("lora", "bf16", 24.0)]

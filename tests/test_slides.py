@@ -142,6 +142,7 @@ class _Refs(html.parser.HTMLParser):
         self.refs += [(tag, k, v) for k, v in attrs if k in ("src", "href", "srcset", "poster", "data")]
 
 
+@pytest.mark.slow  # renders every deck in chromium: not in `make test-fast`
 def test_html_loads_nothing_from_outside(built):
     out, decks = built
     for page in [*decks.values(), out / "index.html"]:
@@ -154,6 +155,7 @@ def test_html_loads_nothing_from_outside(built):
         assert not re.search(r"url\(\s*['\"]?(https?:|//)", text) and "@import" not in text
 
 
+@pytest.mark.slow  # renders every deck in chromium: not in `make test-fast`
 def test_one_pdf_page_per_slide(built):
     out, decks = built
     for name, page in decks.items():
@@ -174,6 +176,7 @@ def _render(page: Path, shot: Path) -> tuple[str, int]:
     return dom, sections
 
 
+@pytest.mark.slow  # renders every deck in chromium: not in `make test-fast`
 def test_every_slide_renders_non_blank_with_all_images(built, tmp_path):
     from PIL import Image
 

@@ -79,6 +79,7 @@ def test_a_float_4bit_storage_that_fsdp_would_cast_is_refused(tmp_path):
         stack.check_storage(model, torch.float16)
 
 
+@pytest.mark.slow  # ~100 CPU s: torchao's low-bit optimizers compile their kernels; not in `make test-fast`
 def test_low_bit_optimizer_state_is_measured():
     rows = {r["optimizer"]: r for r in studies.optimizer_memory("tiny-llama")}
     adamw = rows["torch AdamW (fp32 states)"]["bytes_per_param"]

@@ -135,8 +135,20 @@ def test_expected_collectives_follow_the_layer_count():
 
     assert expected_collectives(2) == {"all_reduce": 19}
     assert expected_collectives(32)["all_reduce"] - expected_collectives(31)["all_reduce"] == 7  # 2 fwd + 5 bwd
+    # Megatron-LM's fused q,k,v and gate,up GEMMs: one f and one g per half-layer (Shoeybi et al. 2019, Fig. 4)
+    assert expected_collectives(32, fused=True)["all_reduce"] - expected_collectives(31, fused=True)["all_reduce"] == 4
     assert expected_collectives(2, sequence_parallel=True) == {"all_gather": 10, "reduce_scatter": 10,
                                                               "all_reduce": 3}
+
+
+@pytest.mark.parametrize("op, name", [
+    ("_c10d_functional.all_reduce", "all_reduce"), ("c10d.allreduce_", "all_reduce"),
+    ("_c10d_functional.all_gather_into_tensor", "all_gather"), ("c10d._allgather_base_", "all_gather"),
+    ("c10d._reduce_scatter_base_", "reduce_scatter"), ("_c10d_functional.reduce_scatter_tensor", "reduce_scatter")])
+def test_functional_and_c10d_collectives_count_under_one_name(op, name):
+    from labkit.parallel.tensor import collective_name
+
+    assert collective_name(op) == name
 
 
 def test_tp_degree_must_divide_the_heads():

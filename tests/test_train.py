@@ -23,8 +23,26 @@ def run_main(argv, capsys):
 
 
 # ------------------------------------------------------------------ training behaviour
+def test_threads_reach_every_rank_of_a_launch(monkeypatch, tmp_path):
+    # --threads N is each launched rank's OMP_NUM_THREADS (labkit.launch._child_env); without it, the
+    # strategy's default (labkit.launch.cpu_threads). The launch itself is replaced: only the count is checked.
+    from labkit import rank_pool
+    from labkit.train import api
+
+    seen = []
+    monkeypatch.setattr(rank_pool, "run", lambda *a, **kw: seen.append(kw["threads"]))
+    monkeypatch.setattr(api, "record_of", lambda *a: None)
+    for threads in (3, None):
+        run("ddp", "tiny-llama", nproc=2, threads=threads, out=str(tmp_path), progress=False)
+    assert seen == [3, 1]
+
+
 def test_tiny_resnet_losses_fall(tmp_path):
-    record = run("single", "tiny-resnet", steps=8, out=str(tmp_path), progress=False)
+    threads = torch.get_num_threads()
+    record = run("single", "tiny-resnet", steps=8, out=str(tmp_path), progress=False, threads=1)
+    assert torch.get_num_threads() == threads  # --threads 1 in this process, the caller's count given back
+    (cpu,) = record.train.cpu_step_time_s  # one rank: its median CPU-seconds of a steady step
+    assert 0 < cpu and 0 < metrics.cpu_share(record)[0] < 1.5
     assert record.steps == 8 and np.isfinite(record.losses).all()
     assert np.mean(record.losses[-3:]) < 0.7 * np.mean(record.losses[:3])
     # The measured FLOPs (FlopCounterMode, warm-up step) and the projection are filled in.
@@ -119,6 +137,33 @@ def test_median_step_time_excludes_warmup_and_measured_steps():
     times = [9.0, 7.0, 1.0, 2.0, 3.0]
     assert metrics.median_step_time(times, skip={0, 1}, warmup=2) == 2.0
     assert metrics.median_step_time([5.0, 1.0], skip={0}, warmup=2) == 1.0
+
+
+def test_intra_op_threads_are_set_and_restored():
+    before = torch.get_num_threads()
+    with metrics.intra_op_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+
+
+def _timed(ranks: int, step_s: float, cpu_s: list[float], batch: int = 16):
+    from labkit.facts import TrainFacts
+    from labkit.results import RunRecord
+
+    return RunRecord(strategy="ddp", model="tiny-resnet", profile="smoke", world_size=ranks, steps=8, losses=[1.0],
+                     step_time_s=step_s, samples_per_s=batch / step_s, peak_bytes=[1] * ranks, param_bytes=[1] * ranks,
+                     grad_bytes=[1] * ranks, optimizer_bytes=[1] * ranks, trainable_params=1, device="cpu",
+                     dtype="float32", global_batch=batch, train=TrainFacts(cpu_step_time_s=cpu_s))
+
+
+def test_work_efficiency_counts_cpu_time_which_other_processes_do_not_change():
+    # A 1-rank baseline that got a fifth of a core on a busy machine: 2 ranks look 2.5x "better than ideal"
+    # on the wall clock, while the CPU time says the two ranks did 25 % more work than the one.
+    one, two = _timed(1, 2.0, [0.4]), _timed(2, 0.4, [0.25, 0.25])
+    assert metrics.wall_efficiency(one, two) == pytest.approx(2.5)
+    assert metrics.work_efficiency(one, two) == pytest.approx(0.8)
+    assert metrics.cpu_share(one) == pytest.approx([0.2]) and metrics.cpu_share(two) == pytest.approx([0.625] * 2)
+    assert metrics.work_efficiency(one, _timed(2, 0.4, [])) is None  # a record without CPU times
 
 
 def test_resident_bytes_counts_each_storage_once_on_its_device():

@@ -8,13 +8,14 @@ notebook. Hidden checks and tests run only when the instructor grades.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
 
 from labkit.course.exercises.grading import DEFAULT_TIMEOUT_S, ExerciseGrade, grade_exercises, plan_for, \
     source_tests_dir
+from labkit.course.exercises.hidden import hidden_info
 from labkit.errors import GradingError
 from labkit.course.grading import tamper
 from labkit.course.grading.checks import CheckResult
@@ -33,6 +34,8 @@ class CheckReport:
     """Integrity problems the grader would mark `tampered` or `invalid`."""
     code: tuple[ExerciseGrade, ...] = ()
     """Visible tests per code exercise."""
+    hidden_code: dict = field(default_factory=dict)
+    """{exercise: HiddenInfo}: how many hidden tests each exercise has and what they vary (never their content)."""
 
     @property
     def ok(self) -> bool:
@@ -67,29 +70,36 @@ def check_notebook(path: str | Path, name: str | None = None, *, tests: str | Pa
     checks = checks_for(notebook)
     problems += tamper.problems(nb)
     visible = [c for c in checks if c.visible]
-    plan = plan_for(notebook, Path(tests) if tests else tests_dir_for(path))
+    tests_dir = Path(tests) if tests else tests_dir_for(path)
+    plan = plan_for(notebook, tests_dir)
     code = tuple(grade_exercises(nb, notebook, plan, timeout_s=timeout_s))
     return CheckReport(notebook, run_checks(nb, notebook, visible), len(checks) - len(visible), tuple(problems),
-                       code)
+                       code, hidden_info(notebook, tests_dir))
 
 
 def _code_lines(report: CheckReport) -> list[str]:
     lines = []
     for g in report.code:
-        passed = sum(r.passed for r in g.results)
-        head = f"{g.exercise}: {passed}/{len(g.results)} tests pass"
-        if g.status == "pass":
-            lines.append(f"  PASS  {head}")
-            continue
-        if g.status in ("not attempted", "missing"):
-            why = ("not attempted: write your code in place of the NotImplementedError in its cell"
-                   if g.status == "not attempted" else g.reason)
-            lines.append(f"  TODO  {g.exercise}: {why}")
-            continue
-        lines.append(f"  FAIL  {head}" + (f" ({g.reason})" if g.status == "error" else ""))
-        for r in g.results:
-            if not r.passed and g.status != "error":
-                lines.append(f"        {r.name.split(': ', 1)[1]}: {r.message}")
+        lines += _exercise_lines(g)
+        info = report.hidden_code.get(g.exercise)
+        if info is not None:
+            lines.append(f"        {info.line()}")
+    return lines
+
+
+def _exercise_lines(g: ExerciseGrade) -> list[str]:
+    passed = sum(r.passed for r in g.results)
+    head = f"{g.exercise}: {passed}/{len(g.results)} tests pass"
+    if g.status == "pass":
+        return [f"  PASS  {head}"]
+    if g.status in ("not attempted", "missing"):
+        why = ("not attempted: write your code in place of the NotImplementedError in its cell"
+               if g.status == "not attempted" else g.reason)
+        return [f"  TODO  {g.exercise}: {why}"]
+    lines = [f"  FAIL  {head}" + (f" ({g.reason})" if g.status == "error" else "")]
+    for r in g.results:
+        if not r.passed and (g.status != "error" or r.message != g.reason):
+            lines.append(f"        {r.name.split(': ', 1)[1]}: {r.message}")
     return lines
 
 

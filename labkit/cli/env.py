@@ -1,4 +1,5 @@
-"""`labkit env [--json]`: versions, devices and which profiles this machine can run (core: labkit.envinfo)."""
+"""`labkit env [--json]`: versions, devices, the NVIDIA driver, whether this environment is the class's
+lock (requirements/lock.txt), and which profiles this machine can run (core: labkit.envinfo)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,9 @@ import click
 @click.command("env")
 @click.option("--json", "as_json", is_flag=True, help="Print the facts as JSON (nothing else on stdout).")
 def command(as_json: bool) -> None:
-    """Show Python/torch/CUDA/NCCL/library versions, devices, and the profiles this machine can run."""
+    """Show Python/torch/CUDA/NCCL/library versions, devices and the NVIDIA driver, whether this
+    environment matches the class's lock (requirements/lock.txt) and what differs, and the profiles
+    this machine can run."""
     from labkit import envinfo
 
     facts = envinfo.collect()

@@ -2,12 +2,15 @@
 
     labkit plan --model gpt3-175b --gpus 64 --gpus-per-node 8 --gpu a100-80gb
     labkit plan --model gpt3-175b --gpus 64 --gpus-per-node 8 --tp 8 --pp 8 --dp 8   # why not? (exit 2)
+    labkit plan --model path/to/config.json --gpus 8192 --gpus-per-node 8 --gpu h100-sxm --tp 8 --pp 16 --dp 64 \\
+        --zero 2 --interleave 8 --seq 8192 --batch 2048 --checkpointing none
 
-Core: `labkit.parallel.planner` (pure Python, no torch). With --dp/--tp/--pp it checks that one layout and
-prints its estimate or the reason it cannot run. Step times come from `labkit.parallel.perf_model`: matmuls at an
-achievable share of peak (`--matmul-efficiency`, else the node's measurement in
-~/.cache/labkit/matmul_efficiency.json or $LABKIT_MATMUL_FILE, else the published-runs default); the
-output says which it used.
+`--model` takes what `labkit memory estimate` takes: a preset, a Hugging Face id in the local cache, a folder
+or a config.json (llama, mistral, qwen2, mixtral, gpt2, gpt_neox, bloom, opt, falcon). Core:
+`labkit.parallel.planner` (pure Python, no torch). With --dp/--tp/--pp it checks that one layout and prints
+its estimate or the reason it cannot run. Step times come from `labkit.parallel.perf_model` with the
+constants fitted to published runs (`labkit.parallel.hardware`); `--matmul-efficiency X` or `--measured FILE`
+(a `labkit preflight` measurement) replace the matmul efficiency only when given. The output says which it used.
 """
 from __future__ import annotations
 
@@ -15,21 +18,25 @@ import json
 
 import click
 
-from labkit.parallel import planner
 from labkit.errors import ConfigError
+from labkit.parallel import hardware, planner
+
+#: PlanRequest fields the command passes through.
+REQUEST_KEYS = ("model", "gpus", "gpus_per_node", "gpu", "batch", "seq", "checkpointing", "matmul_efficiency",
+                "measured", "inter_node_gbps", "interleave", "flash", "sequence_parallel", "precision", "fsdp")
 
 
-def run_plan(*, model: str, gpus: int, gpus_per_node: int, gpu: str, batch=None, seq=None, top: int = 10,
-             dp=None, tp=None, pp=None, zero: int = 0, checkpointing: str = "full",
-             matmul_efficiency: float | None = None, cp=None, ep=None) -> dict:
+def run_plan(*, model: str, gpus: int, gpus_per_node: int, gpu: str = "a100-80gb", top: int = 10, dp=None, tp=None,
+             pp=None, zero: int = 0, cp=None, ep=None, **request) -> dict:
     """The pure core: the plan (or one checked layout) as JSON data."""
-    req = planner.PlanRequest(model=model, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, batch=batch, seq=seq,
-                              checkpointing=checkpointing, matmul_efficiency=matmul_efficiency)
+    req = planner.PlanRequest(model=model, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu,
+                              **{k: v for k, v in request.items() if v is not None})
     if any(v is not None for v in (dp, tp, pp, cp, ep)):
         dp, tp, pp, cp, ep = (v or 1 for v in (dp, tp, pp, cp, ep))
         planner.check_layout(req, dp, tp, pp, zero, cp=cp, ep=ep)  # ConfigError names the reason
+        per_replica = req.batch // dp
         options = [planner.evaluate(req, dp, tp, pp, zero, b, cp=cp, ep=ep) for b in planner.MICRO_BATCH_SIZES
-                   if (req.batch // dp) % b == 0 and (req.batch // dp) // b >= pp]
+                   if per_replica % b == 0 and per_replica // b >= pp]
         if not options:
             raise ConfigError(f"global batch {req.batch} leaves fewer than pp={pp} micro-batches per pipeline; "
                               f"use --batch {dp * pp} or more")
@@ -40,24 +47,27 @@ def run_plan(*, model: str, gpus: int, gpus_per_node: int, gpu: str, batch=None,
 
 
 def format_layout(data: dict) -> str:
-    lines = [f"{data['request']['model']} on {data['request']['gpus']} x {data['request']['gpu']}: valid layout; "
-             f"usable {data['capacity_gb']:.0f} GB/GPU"]
+    r = data["request"]
+    lines = [f"{r['model']} on {r['gpus']} x {r['gpu']}: valid layout; usable {data['capacity_gb']:.0f} GB/GPU"]
     for o in data["layout"]:
         verdict = "fits" if o["fits"] else "DOES NOT FIT"
         lines.append(f"  {o['layout']} (micro-batch {o['micro_batch']}): {o['memory_gb']:.1f} GB/GPU {verdict}, "
-                     f"bubble {o['bubble']:.3f}, step {o['step_s']:.2f} s, mfu {o['mfu']:.2f}, hfu {o['hfu']:.2f}, "
-                     f"{o['tflops_per_gpu']:.0f} TFLOPS/GPU, comm s {o['comm_s']}")
+                     f"bubble {o['bubble']:.3f}, step {o['step_s']:.2f} s, {o['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "
+                     f"mfu {o['mfu']:.2f}, hfu {o['hfu']:.2f}, {o['tflops_per_gpu']:.0f} TFLOPS/GPU, "
+                     f"exposed comm s {o['comm_s']}, all DP comm {o['dp_comm_s']:.2f} s")
     a = data["assumption"]
-    lines.append(f"assumes matmuls at {a['matmul_efficiency']:.0%} of the {a['peak_tflops']:.0f} TFLOPS peak "
-                 f"({a['source']})")
+    lines.append(f"assumes {a['precision']} matmuls at {a['matmul_efficiency']:.0%} of the {a['peak_tflops']:.0f} "
+                 f"TFLOPS peak ({a['source']}); NCCL at {a['comm_efficiency']:.0%} of NVLink, "
+                 f"{a['network_efficiency']:.0%} of {a['inter_node_gbps']:g} Gb/s per GPU between nodes")
     return "\n".join(lines)
 
 
 @click.command("plan", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model", required=True, help="LLM or GPT preset, e.g. gpt3-175b, llama2-7b")
-@click.option("--gpus", type=int, required=True, help="total GPUs (must equal dp * tp * pp)")
+@click.option("--model", required=True, help="preset (gpt3-175b, llama2-7b), HF id in the local cache, folder or config.json")
+@click.option("--gpus", type=int, required=True, help="total GPUs (must equal dp * tp * pp [* cp])")
 @click.option("--gpus-per-node", type=int, required=True, help="GPUs per node (the NVLink domain)")
-@click.option("--gpu", type=click.Choice(list(planner.GPUS)), default="a100-80gb", show_default=True)
+@click.option("--gpu", type=click.Choice(list(hardware.GPUS)), default="a100-80gb",
+              show_default=True)
 @click.option("--batch", type=int, default=None, help="GLOBAL batch in sequences [8 x gpus]")
 @click.option("--seq", type=int, default=None, help="tokens per sequence [min(context, 2048)]")
 @click.option("--checkpointing", type=click.Choice(["full", "selective", "none"]), default="full", show_default=True)
@@ -68,8 +78,20 @@ def format_layout(data: dict) -> str:
 @click.option("--cp", type=int, default=None, help="context-parallel degree (ring attention) with --dp/--tp/--pp")
 @click.option("--ep", type=int, default=None, help="expert-parallel degree (MoE models) with --dp/--tp/--pp")
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True, help="ZeRO stage with --dp/--tp/--pp")
+@click.option("--fsdp", is_flag=True, help="ZeRO-3 as torch FSDP (the recompute reuses the backward's gather)")
+@click.option("--interleave", type=click.IntRange(1), default=1, show_default=True,
+              help="virtual pipeline stages per rank (interleaved 1F1B) when pp > 1")
+@click.option("--no-flash", "flash", flag_value=False, default=True, help="the 2021-22 softmax kernels, not flash")
+@click.option("--no-sequence-parallel", "sequence_parallel", flag_value=False, default=True,
+              help="no sequence parallelism under TP")
+@click.option("--precision", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True,
+              help="fp8: the linears on FP8 tensor cores (H100/H200/B200), at a stated efficiency")
+@click.option("--inter-node-gbps", type=click.FloatRange(0, min_open=True), default=None,
+              help="inter-node bandwidth per GPU, Gb/s [the GPU's system: A100 200, H100/H200/B200 400]")
 @click.option("--matmul-efficiency", type=click.FloatRange(0, 1, min_open=True), default=None,
-              help="share of peak the GEMMs reach [the node's measurement, else the published-runs default]")
+              help="share of peak the GEMMs reach [the value fitted to published runs]")
+@click.option("--measured", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="plan with a node's measured efficiency (the file `labkit preflight` wrote)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def command(as_json: bool, top: int, **options) -> None:
     """Enumerate and rank (dp, tp, pp, ZeRO stage, micro-batches) for MODEL on GPUS GPUs."""
@@ -77,6 +99,5 @@ def command(as_json: bool, top: int, **options) -> None:
         data = run_plan(top=top, **options)
         click.echo(json.dumps(data, indent=1) if as_json else format_layout(data))
         return
-    keys = ("model", "gpus", "gpus_per_node", "gpu", "batch", "seq", "checkpointing", "matmul_efficiency")
-    result = planner.plan(planner.PlanRequest(**{k: options[k] for k in keys}))
+    result = planner.plan(planner.PlanRequest(**{k: options[k] for k in REQUEST_KEYS if options[k] is not None}))
     click.echo(json.dumps(result.to_dict(top=top), indent=1) if as_json else planner.format_plan(result, top=top))

@@ -4,7 +4,9 @@
     labkit preflight --profile smoke --json      # CI: every strategy of `labkit train` on CPU
 
 One line per check (status, seconds, peak, and the fix for a failure); exit 0 only if all pass, 1 if
-any failed, 2 when the machine lacks the profile's GPUs. OUT/preflight.json keeps the probes.
+any failed, 2 when the machine lacks the profile's GPUs. Safe to rerun in the same folder (each run has its
+own run id). OUT keeps everything it measured: preflight.json, probes.json, comm_bench.json and
+matmul_efficiency.json; no shared cache is written, so `labkit plan` keeps its fitted efficiency.
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ import click
 @click.option("--json", "as_json", is_flag=True, help="print a JSON list of checks instead of lines")
 @click.pass_context
 def command(ctx, profile: str, out: str | None, steps: int, as_json: bool) -> None:
-    """Train every strategy the profile's labs use for a few steps, probe all-reduce and matmul,
-    and check that every lab's runs resolve and fit; exit 0 only if all pass."""
+    """Train every (strategy, precision, variant) the profile's labs use for a few steps, probe all-reduce
+    and matmul against the node's expected numbers, and check that every lab's runs resolve and fit;
+    exit 0 only if all pass."""
     from labkit.course import preflight
 
     folder = out or f"build/preflight/{profile}"

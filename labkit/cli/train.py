@@ -3,7 +3,8 @@
     labkit train --strategy ddp --model tiny-llama --profile smoke --nproc 2 --steps 20 --out runs/ddp
 
 With --nproc > 1 (or a strategy that needs a process group) it launches itself under torchrun via
-`labkit.launch`; rank 0 appends one record to OUT/results.jsonl and this command prints its summary.
+`labkit.launch`; rank 0 appends one record to OUT/results.jsonl (default OUT: $LABKIT_RUNS, else runs) and
+this command prints its summary.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def command(find_max_batch: bool, memory_budget_mb: float | None, **options) -> 
         from labkit.results import summary_line
         click.echo(summary_line(record))
         click.echo(f"losses: {' '.join(f'{x:.4f}' for x in record.losses)}")
-        click.echo(f"record appended to {options['out']}/results.jsonl")
+        from labkit.results import runs_root
+        click.echo(f"record appended to {options['out'] or runs_root()}/results.jsonl")
 
 
 def run_training(options: dict):

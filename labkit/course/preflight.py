@@ -2,15 +2,21 @@
 
 Four kinds of checks, one `Check` each (docs/gpu-node.md):
 - `labs`: every lab notebook's runs resolve on the profile and fit its GPUs (`labkit.course.profile_check`);
-- `strategy`: every strategy the profile's labs use trains a few steps with finite losses. All of them
-  run inside ONE torchrun launch (`labkit.train.many.run_many`), so the ranks start once; if a run
-  fails, the runs before it keep their result, it is reported with the error, and the rest run in a
-  new launch. `single` runs in this process. On `smoke*` profiles: every strategy of `labkit train`;
+- `strategy`: every (strategy, precision, variant) the profile's labs train -- the fp32 and the bf16 (fp16
+  on V100) FSDP run, 06's memory-capped LoRA / QLoRA, ... (`runs_for`) -- trains a few steps with finite
+  losses. All of them run inside ONE torchrun launch (`labkit.train.many.run_many`), so the ranks start
+  once; if a run fails, the runs before it keep their result, it is reported with the error, and the rest
+  run in a new launch. `single` runs in this process. On `smoke*` profiles: every strategy of `labkit train`;
 - `accelerate`: FSDP1 through accelerate (notebook 04): each variant's YAML makes accelerate build the
   plugin it asks for; on GPU profiles `fsdp` trains under `accelerate launch` and must be real FSDP;
-- `probe`: an all-reduce bandwidth probe (every GPU pair on a GPU node, one 2-rank probe on CPU) and
-  a matmul throughput probe, run on the ranks of the same launch before the first strategy.
-  Rank 0 writes them to OUT/preflight.json (format in docs/gpu-node.md), where planners read them.
+- `probe`: all-reduce busbw of every GPU pair and of all GPUs (nccl-tests' sizes), matmul TFLOPS of every
+  GPU (`labkit.course.node_probes`), run on the ranks of the first launch; on a GPU profile each fails below
+  its profile's share of the expected number (`node_probes.BARS`); plus the comm_bench.json notebook 03 reads.
+
+Safe to run twice in one folder: every run of the preflight has its own run id (`new_run_id`); it reads only
+the records and probes tagged with it, never yesterday's. Everything it measured stays in OUT: preflight.json,
+probes.json, comm_bench.json, and the matmul efficiency as matmul_efficiency.json -- nothing in a shared cache,
+so `labkit plan` and the graded planner answers keep their fitted efficiency (`record_matmul`).
 """
 from __future__ import annotations
 
@@ -18,23 +24,21 @@ import dataclasses
 import datetime as _dt
 import json
 import math
+import secrets
+import statistics
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from labkit import parallel
-from labkit.course import profile_check
+from labkit.course import node_probes, profile_check
 from labkit.errors import LabkitError
-from labkit.parallel import comm
 from labkit.profiles import Profile
 
 #: File in the output folder holding the probes and every check (docs/gpu-node.md).
 RESULT_FILE = "preflight.json"
-#: All-reduce probe payload (fp32 elements): 64 MiB on GPU (bandwidth-bound), 4 MiB on CPU.
-PROBE_ELEMENTS = {"cuda": 16 * 2**20, "cpu": 2**20}
-#: Square matmul side of the throughput probe.
-MATMUL_N = {"cuda": 8192, "cpu": 512}
+#: The probes rank 0 wrote in this run (tagged with its run id).
+PROBES_FILE = "probes.json"
 
 
 @dataclass(frozen=True)
@@ -61,26 +65,30 @@ class Check:
         return text + (f"\n       fix: {self.fix}" if self.fix else "")
 
 
+def new_run_id() -> str:
+    """'preflight-20261125T010203Z-3f9a': this preflight's records and probes carry it."""
+    return f"preflight-{_dt.datetime.now(_dt.timezone.utc):%Y%m%dT%H%M%SZ}-{secrets.token_hex(2)}"
+
+
 def runs_for(profile: Profile) -> list[tuple[str, str, dict]]:
-    """(strategy, model, options) to train: every strategy on smoke profiles, else the labs' ones."""
+    """(strategy, model, options) to train: every strategy on smoke profiles; on GPU profiles every distinct
+    (strategy, model, options) the labs run, the precision resolved (a run that states no amp trains at
+    the profile's), so fp32 and bf16 FSDP, fp16 on V100 and the memory-capped PEFT runs all train."""
     if profile.device == "cpu":
         return [(name, parallel.strategy_class(name).example_model or profile.llm_model, {})
                 for name in parallel.STRATEGIES]
-    # One run per (strategy, model, precision, memory cap): bf16 FSDP2 beside fp32 FSDP, fp16 on V100 and
-    # 06's capped LoRA/QLoRA each train here (issue #25, finding 9: keyed on strategy and model they did not).
+    amp = profile_check.AMP_OF_DTYPE[profile.dtype]
     seen: dict[tuple, tuple[str, str, dict]] = {}
     for _lab, _label, strategy, model, options in profile_check.lab_runs(profile):
-        own = {k: v for k, v in options.items() if k != "nproc"}
-        seen.setdefault((strategy, model, own.get("amp"), own.get("memory_cap_gb")), (strategy, model, own))
+        own = {k: v for k, v in options.items() if k != "nproc" and v not in (None, False)}
+        own["amp"] = own.get("amp") or amp
+        seen.setdefault((strategy, model, tuple(sorted(own.items()))), (strategy, model, own))
     return list(seen.values())
 
 
-def launched_runs(plan: list[tuple[str, str, dict]]) -> list[tuple[str, dict]]:
-    """The multi-rank runs of `plan` for `run_many`, with run ids no earlier preflight in the same folder
-    used: a second preflight must never read yesterday's records (issue #25, finding 5)."""
-    token = uuid.uuid4().hex[:8]
-    return [(s, {**o, "model": m, "run_id": f"preflight-{token}-{i}-{s}"})
-            for i, (s, m, o) in enumerate(plan) if s != "single"]
+def variant(options: dict) -> str:
+    """'amp=bf16 checkpointing memory_cap_gb=24': how a run differs from the strategy's defaults."""
+    return " ".join(k if v is True else f"{k}={v}" for k, v in sorted(options.items()) if k not in ("model", "run_id"))
 
 
 def labs_checks(profile: Profile) -> list[Check]:
@@ -103,47 +111,63 @@ def labs_checks(profile: Profile) -> list[Check]:
 
 
 def run(profile: str | Profile, *, out: str | Path = "build/preflight", steps: int = 3) -> list[Check]:
-    """Every check for `profile` on this machine; rank 0's probes land in OUT/preflight.json."""
+    """Every check for `profile` on this machine, under a new run id; everything measured lands in OUT."""
     from labkit.envinfo import require
 
     prof = require(profile)  # a GPU profile without its GPUs stops here, in one line
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    run_id = new_run_id()
     checks = labs_checks(prof)
     common = dict(profile=prof.name, steps=steps, warmup_steps=1, eval_batches=0, progress=False, out=str(out))
-    plan = runs_for(prof)
-    checks += [_single(model, {**options, **common}) for s, model, options in plan if s == "single"]
-    many = launched_runs(plan)
+    plan = [(s, m, o, f"{run_id}-{i:02d}-{s}") for i, (s, m, o) in enumerate(runs_for(prof))]
+    checks += [_single(model, options, {**common, "run_id": rid}) for s, model, options, rid in plan if s == "single"]
+    many = [(s, {**o, "model": m, "run_id": rid}) for s, m, o, rid in plan if s != "single"]
     checks += accelerate_checks(prof, out, steps)
-    (out / "probes.json").unlink(missing_ok=True)  # a stale file must not pass for this run's probes
-    checks += _train_many(prof, many, common, out)
-    checks += probe_checks(out, prof)
-    checks += record_matmul(out, prof)
-    _write(out / RESULT_FILE, prof, checks)
+    checks += _train_many(prof, many, common, out, run_id)
+    probes = load_probes(out, run_id)
+    topology = node_probes.rank_topology(node_probes.read_topology(), prof.nproc) if prof.device == "cuda" else {}
+    checks += probe_checks(probes, prof, topology)
+    checks += comm_file_check(prof, probes)
+    checks += record_matmul(out, prof, probes)
+    _write(out / RESULT_FILE, prof, run_id, probes, topology, checks)
     return checks
+
+
+def load_probes(out: Path, run_id: str) -> dict | None:
+    """The probes rank 0 wrote in THIS preflight (OUT/probes.json tagged with `run_id`), else None."""
+    path = out / PROBES_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if data.get("run_id") == run_id else None
 
 
 #: The planner's name (labkit.parallel.perf_model.GPUS) of each GPU profile's card.
 PLANNER_GPU = {"a100x1": "a100-80gb", "a100x4": "a100-80gb", "h100x1": "h100-80gb", "v100x4": "v100-32gb"}
 
 
-def record_matmul(out: Path, profile: Profile) -> list[Check]:
-    """On a GPU node, hand the matmul probe to the planner: `labkit plan` then uses this node's measured
-    efficiency instead of the published default (labkit.parallel.perf_model.record_measurement). CPU: nothing."""
+def record_matmul(out: Path, profile: Profile, probes: dict | None) -> list[Check]:
+    """On a GPU node, keep the matmul probe (median over the GPUs) as OUT/matmul_efficiency.json, beside the
+    preflight's other output, and say how to plan with it. Never in a shared cache: `labkit plan` and the
+    graded 07/09 planner answers keep their fitted efficiency unless told (`--measured FILE`). CPU: nothing."""
     from labkit.parallel import perf_model
 
-    path = out / "probes.json"
     gpu = PLANNER_GPU.get(profile.name)
-    if profile.device != "cuda" or gpu is None or not path.is_file():
-        return []
-    m = json.loads(path.read_text(encoding="utf-8")).get("matmul") or {}
-    if not m.get("tflops"):
+    tflops = [m["tflops"] for m in (probes or {}).get("matmul", []) if m.get("tflops")]
+    if profile.device != "cuda" or gpu is None or not tflops:
         return []
     precision = "fp16" if profile.dtype == "float16" else "bf16"
-    saved = perf_model.record_measurement(gpu, precision, m["tflops"], tool="labkit preflight")
-    return [Check("probe", "matmul -> planner", "ok", 0.0,
-                  f"{m['tflops']:.1f} TFLOPS = {m['tflops'] / perf_model.GPUS[gpu].peak_tflops:.0%} of {gpu}'s "
-                  f"{precision} peak, saved to {saved} for `labkit plan`")]
+    measured = statistics.median(tflops)
+    saved = perf_model.record_measurement(gpu, precision, measured, tool="labkit preflight",
+                                          path=out / perf_model.PERF_FILE_NAME)
+    share = min(1.0, measured / perf_model.GPUS[gpu].peak_tflops)
+    planner = perf_model.default_efficiency(gpu, precision)
+    return [Check("probe", "matmul efficiency", "ok", 0.0,
+                  f"{measured:.1f} TFLOPS = {share:.0%} of {gpu}'s {precision} peak, saved to {saved}; `labkit plan` "
+                  f"keeps its fitted {planner.value:.0%} (to plan with this node's: --measured {saved}, "
+                  f"or --matmul-efficiency {share:.2f})")]
 
 
 def accelerate_checks(profile: Profile, out: Path, steps: int) -> list[Check]:
@@ -175,25 +199,27 @@ def accelerate_checks(profile: Profile, out: Path, steps: int) -> list[Check]:
     return checks
 
 
-def _single(model: str, options: dict) -> Check:
+def _single(model: str, options: dict, common: dict) -> Check:
+    """One single-device variant, in this process (`options`: the variant; `common`: profile, steps, out...)."""
     from labkit.train.api import run as train
 
     start = time.perf_counter()
     try:
-        record = train("single", model, **options)
+        record = train("single", model, **options, **common)
     except (LabkitError, RuntimeError) as exc:  # a failed run (e.g. CUDA OOM) is a result, not a crash
-        return _failed("single", model, time.perf_counter() - start, exc, options["profile"])
-    return _from_record(record, time.perf_counter() - start)
+        return _failed("single", model, time.perf_counter() - start, exc, common["profile"], options)
+    return _from_record(record, time.perf_counter() - start, options)
 
 
-def _train_many(prof: Profile, runs: list, common: dict, out: Path) -> list[Check]:
-    """Runs in one launch; after a failure, the runs after the failed one in a new launch."""
+def _train_many(prof: Profile, runs: list, common: dict, out: Path, run_id: str) -> list[Check]:
+    """Runs in one launch; after a failure, the runs after the failed one in a new launch. Records are
+    found by this preflight's run ids only, so an earlier preflight's records in OUT never count."""
     from labkit.errors import LaunchError
     from labkit.train.api import record_of
     from labkit.train.many import run_many
 
     checks: list[Check] = []
-    probe = ("labkit.course.preflight:probe_rank", {"out": str(out / "probes.json")})
+    probe = ("labkit.course.node_probes:probe_rank", {"out": str(out / PROBES_FILE), "run_id": run_id})
     pending = list(runs)
     while pending:
         start = time.time()
@@ -206,149 +232,141 @@ def _train_many(prof: Profile, runs: list, common: dict, out: Path) -> list[Chec
         done = []
         for name, own in pending:
             try:
-                done.append(record_of(common["out"], own["run_id"]))
+                done.append((own, record_of(common["out"], own["run_id"])))
             except LabkitError:
                 break
         last = start
-        for record in done:
+        for own, record in done:
             stamp = _dt.datetime.fromisoformat(record.timestamp).timestamp()
-            checks.append(_from_record(record, stamp - last))
+            checks.append(_from_record(record, stamp - last, own))
             last = stamp
         if error is None:
             break
+        if len(done) == len(pending):  # every run recorded, then the launch failed (e.g. at teardown)
+            checks.append(_failed("launch", prof.llm_model, time.time() - last, error, prof.name))
+            break
         failed_name, failed_own = pending[len(done)]
-        checks.append(_failed(failed_name, failed_own["model"], time.time() - last, error, prof.name))
+        checks.append(_failed(failed_name, failed_own["model"], time.time() - last, error, prof.name, failed_own))
         pending = pending[len(done) + 1:]
     return checks
 
 
-def _from_record(record, seconds: float) -> Check:
-    finite = all(math.isfinite(x) for x in record.losses)
-    detail = (f"{record.model} x{record.world_size} {record.dtype}: "
-              f"loss {record.losses[0]:.3f} -> {record.losses[-1]:.3f}")
+def _from_record(record, seconds: float, options: dict) -> Check:
+    finite = bool(record.losses) and all(math.isfinite(x) for x in record.losses)
+    losses = f"loss {record.losses[0]:.3f} -> {record.losses[-1]:.3f}" if record.losses else "no loss recorded"
+    detail = " | ".join(filter(None, (variant(options), f"{record.model} x{record.world_size} {record.dtype}: {losses}")))
     return Check("strategy", record.strategy, "ok" if finite else "failed", seconds, detail,
                  "" if finite else "the loss is not finite: check the precision (fp16 needs a GradScaler)",
-                 max(record.peak_bytes), record.model)
+                 max(record.peak_bytes, default=None), record.model)
 
 
-def _failed(strategy: str, model: str, seconds: float, exc: Exception, profile: str) -> Check:
+def _failed(strategy: str, model: str, seconds: float, exc: Exception, profile: str, options: dict | None = None) -> Check:
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    flags = "".join(f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+                    for k, v in sorted((options or {}).items()) if k not in ("model", "run_id"))
     fix = (f"see the error; rerun alone for the full traceback: labkit train --strategy {strategy} "
-           f"--model {model} --profile {profile} --steps 3" + ("" if strategy == "single" else " --nproc N"))
-    return Check("strategy", strategy, "failed", seconds, first, fix, None, model)
+           f"--model {model} --profile {profile} --steps 3{flags}" + ("" if strategy == "single" else " --nproc N"))
+    return Check("strategy", strategy, "failed", seconds, " | ".join(filter(None, (variant(options or {}), first))), fix,
+                 None, model)
 
 
-# ----------------------------------------------------------------------------------- probes
-def probe_rank(spec: dict, cfg, ctx) -> None:
-    """`run_many` hook on every rank: all-reduce bandwidth per rank pair, and matmul throughput.
-
-    GPU: every pair (i, j) gets its own group (`dist.new_group` is collective: every rank creates
-    every pair), so a slow NVLink/PCIe path shows up on its own. CPU: one 2-rank probe.
-    Unverified on GPUs here: CUDA event timing and NCCL pair groups are written blind.
-    """
-    import itertools
-
-    import torch
-    import torch.distributed as dist
-
-    device = ctx.device
-    n = PROBE_ELEMENTS[device.type]
-    world = ctx.world_size
-    if device.type == "cuda":
-        pairs = list(itertools.combinations(range(world), 2))
-    else:
-        pairs = [(0, 1)] if world > 1 else []
-    rows = []
-    for pair in pairs:
-        group = dist.new_group(list(pair))
-        if ctx.rank in pair:
-            seconds = _time_allreduce(torch.ones(n, device=device), group, device)
-            # Ring all-reduce moves 2 (p-1)/p of the payload per rank: NCCL-tests' "bus bandwidth".
-            nbytes, p = n * 4, len(pair)
-            algbw = nbytes / seconds / 1e9
-            rows.append({"ranks": list(pair), "bytes": nbytes, "seconds": seconds,
-                         "algbw_GBps": algbw, "busbw_GBps": algbw * comm.bus_factor("all_reduce", p)})
-        dist.barrier()
-    all_rows = [None] * world
-    dist.all_gather_object(all_rows, rows)
-    matmul = _matmul_tflops(device, cfg.precision.amp)
-    if ctx.is_main:
-        merged = sorted((r for part in all_rows for r in part), key=lambda r: r["ranks"])
-        unique = list({tuple(r["ranks"]): r for r in merged}.values())
-        Path(spec["out"]).write_text(json.dumps({"allreduce": unique, "matmul": matmul}), encoding="utf-8")
+# ----------------------------------------------------------------------------------- probes, judged
+_LINK_FIX = ("a slow pair or ring: `nvidia-smi topo -m` (NV# = NVLink), `nvidia-smi nvlink --status`, NCCL_DEBUG=INFO "
+             "(P2P or SHM transport?), NCCL_P2P_DISABLE / NCCL_P2P_LEVEL in the environment, PCIe ACS; expected "
+             "numbers: docs/gpu-node.md")
+_GPU_FIX = ("a slow GPU: `nvidia-smi -q -d PERFORMANCE,CLOCK,POWER` (clocks-event reasons: power brake, HW slowdown, "
+            "a low power limit), other processes on it (`nvidia-smi`); rerun after it idles")
 
 
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_allreduce(tensor, group, device, repeats: int = 5) -> float:
-    """Median seconds of one all-reduce of `tensor` in `group` (one warm-up)."""
-    import statistics
-
-    import torch.distributed as dist
-
-    dist.all_reduce(tensor, group=group)
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        dist.all_reduce(tensor, group=group)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _matmul_tflops(device, amp: str) -> dict:
-    """Dense matmul TFLOPS at the run's compute dtype (2 n^3 FLOPs per n x n product)."""
-    import torch
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp, torch.float32)
-    n = MATMUL_N[device.type]
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    a @ b
-    _sync(device)
-    start, repeats = time.perf_counter(), 5
-    for _ in range(repeats):
-        a @ b
-    _sync(device)
-    seconds = (time.perf_counter() - start) / repeats
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"n": n, "dtype": str(dtype).removeprefix("torch."), "seconds": seconds,
-            "tflops": 2 * n**3 / seconds / 1e12, "device": name}
-
-
-def probe_checks(out: Path, profile: Profile) -> list[Check]:
-    """The probes' lines from OUT/probes.json (written by rank 0); 'failed' when the launch died first."""
-    path = out / "probes.json"
-    if not path.is_file():
+def probe_checks(probes: dict | None, profile: Profile, topology: dict | None = None) -> list[Check]:
+    """One line per measured pair, the all-GPU all-reduce and each GPU's matmul. On a GPU profile each is
+    judged against `node_probes.BARS[profile]` (a share of the expected number); on CPU nothing is judged.
+    `topology`: {(rank, rank): 'NV12' | 'SYS' | ...} from `nvidia-smi topo -m` ({} = unknown)."""
+    if probes is None:
         fix = "the first launch failed before the probes ran: see the strategy lines; NCCL_DEBUG=INFO shows why"
-        return [Check("probe", "all-reduce", "failed", 0.0, "no probe results", fix)]
-    data = json.loads(path.read_text(encoding="utf-8"))
-    checks = [Check("probe", "all-reduce", "ok", r["seconds"], f"ranks {r['ranks'][0]}-{r['ranks'][1]}: "
-                    f"{r['busbw_GBps']:.2f} GB/s bus bandwidth ({r['bytes'] / 2**20:.0f} MiB)")
-              for r in data["allreduce"]]
-    if profile.nproc > 1 and not data["allreduce"]:
+        return [Check("probe", "all-reduce", "failed", 0.0, "no probe results from this preflight", fix)]
+    bar = node_probes.BARS.get(profile.name) if profile.device == "cuda" else None
+    topology = topology or {}
+    checks = []
+    expected_pairs = []
+    for r in probes["allreduce"]:
+        pair = tuple(r["ranks"])
+        cell = topology.get(pair)
+        exp = node_probes.expected_busbw(profile.gpu_name, cell, bar.link) if bar else None
+        expected_pairs.append(exp)
+        name = f"all-reduce {pair[0]}-{pair[1]}"
+        measured = f"{r['busbw_GBps']:.2f} GB/s busbw ({r['bytes'] / 2**20:.0f} MiB)"
+        if exp is not None and bar.link == "nvlink" and exp.link == "pcie":
+            checks.append(Check("probe", name, "failed", r["seconds"], f"{measured} over PCIe (topology {cell}); "
+                                f"profile {profile.name} expects NVLink between its GPUs", _LINK_FIX))
+        else:
+            where = f" ({cell or 'topology unknown'})" if bar else ""
+            checks.append(_judged(name, r["seconds"], r["busbw_GBps"], exp, bar and bar.busbw_share, measured,
+                                  where, "GB/s", _LINK_FIX))
+    if profile.nproc > 1 and not probes["allreduce"]:
         checks.append(Check("probe", "all-reduce", "failed", 0.0, "no rank pair measured", "rerun the preflight"))
-    m = data["matmul"]
-    peak = ""
-    if profile.peak_tflops:
-        peak = f" ({m['tflops'] / profile.peak_tflops:.0%} of the {profile.peak_tflops:g} peak)"
-    checks.append(Check("probe", "matmul", "ok", m["seconds"],
-                        f"{m['n']}^2 {m['dtype']}: {m['tflops']:.2f} TFLOPS{peak}"))
+    if probes.get("comm"):
+        top = max(probes["comm"], key=lambda r: r["bytes"])
+        ring = min((e for e in expected_pairs if e), key=lambda e: e.gbs, default=None)  # the ring's slowest link
+        measured = f"{top['busbw_gbps']:.2f} GB/s busbw at {top['bytes'] / 2**20:g} MiB on {top['world_size']} ranks"
+        checks.append(_judged(f"all-reduce x{top['world_size']}", top["seconds"], top["busbw_gbps"], ring,
+                              bar and bar.busbw_share, measured, "", "GB/s", _LINK_FIX))
+    for m in probes["matmul"]:
+        half = m["dtype"] in ("bfloat16", "float16")
+        exp = node_probes.expected_tflops(m["device"]) if bar and half else None
+        who = "GPU" if profile.device == "cuda" else "rank"
+        measured = f"{who} {m['rank']} {m['device']}: {m['n']}^2 {m['dtype']} {m['tflops']:.3g} TFLOPS"
+        checks.append(_judged(f"matmul {m['rank']}", m["seconds"], m["tflops"], exp, bar and bar.tflops_share,
+                              measured, "", "TFLOPS", _GPU_FIX))
     return checks
 
 
-def _write(path: Path, profile: Profile, checks: list[Check]) -> None:
-    """OUT/preflight.json: profile, time, probes (all-reduce per pair, matmul) and every check."""
-    probes_file = path.parent / "probes.json"
-    probes = json.loads(probes_file.read_text(encoding="utf-8")) if probes_file.is_file() else {}
-    data = {"profile": profile.name, "time": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-            "allreduce": probes.get("allreduce", []), "matmul": probes.get("matmul"),
-            "checks": [dataclasses.asdict(c) for c in checks]}
+def _judged(name: str, seconds: float, value: float, exp, share, measured: str, where: str, unit: str,
+            fix: str) -> Check:
+    """ok when there is nothing to judge against (CPU) or value >= share x expected."""
+    if exp is None:
+        return Check("probe", name, "ok", seconds, measured + where)
+    ok = value >= share * exp.gbs
+    detail = (f"{measured}{where} {'>=' if ok else '<'} {share:.0%} of {exp.gbs:.1f} {unit} expected "
+              f"({exp.what})")
+    return Check("probe", name, "ok" if ok else "failed", seconds, detail, "" if ok else fix)
+
+
+def comm_file_check(profile: Profile, probes: dict | None) -> list[Check]:
+    """The comm_bench.json notebook 03 reads (results root, `commbench.default_file`): on a GPU profile it
+    must be an NCCL measurement of every GPU up to the bandwidth plateau, near this preflight's own."""
+    from labkit.profiling import commbench
+
+    path = commbench.default_file()
+    if profile.device != "cuda":
+        return []
+    if not path.is_file():
+        return [Check("probe", "comm_bench.json", "ok", 0.0, f"none at {path.resolve()}: notebook 03 shows the "
+                      "nominal link speeds until notebook 09 or `labkit bench comm` measures this node")]
+    rows = [r for r in commbench.load(path) if r.op == "all_reduce" and r.backend == "nccl"]
+    top = max(rows, key=lambda r: r.bytes, default=None)
+    if top is None:
+        return [Check("probe", "comm_bench.json", "failed", 0.0, f"{path.resolve()} has no NCCL all-reduce",
+                      "run `labkit bench comm` on the node (defaults: every GPU, up to 1 GiB)")]
+    own = max((probes or {}).get("comm", []), key=lambda r: r["bytes"], default=None)
+    problems = ([f"{top.world_size} of {profile.nproc} GPUs"] * (top.world_size < profile.nproc)
+                + [f"largest message {top.bytes / 2**20:g} MiB"] * (top.bytes < commbench.PLATEAU_BYTES)
+                + [f"{top.busbw_gbps:.1f} GB/s, under half of this preflight's {own['busbw_gbps']:.1f}"]
+                * bool(own and top.busbw_gbps < 0.5 * own["busbw_gbps"]))
+    detail = f"{path.resolve()}: {top.busbw_gbps:.2f} GB/s busbw, {top.bytes / 2**20:g} MiB on {top.world_size} ranks"
+    return [Check("probe", "comm_bench.json", "failed" if problems else "ok", 0.0,
+                  detail + (f" ({'; '.join(problems)})" if problems else ", what notebook 03 uses"),
+                  "rerun `labkit bench comm` on the node (defaults: every GPU, up to 1 GiB): notebook 03 reads "
+                  "this file" if problems else "")]
+
+
+def _write(path: Path, profile: Profile, run_id: str, probes: dict | None, topology: dict, checks: list[Check]) -> None:
+    """OUT/preflight.json: profile, run id, time, topology, probes (pairs, all-GPU, matmul per GPU), checks."""
+    probes = probes or {}
+    data = {"profile": profile.name, "run_id": run_id, "time": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+            "topology": {f"{a}-{b}": cell for (a, b), cell in sorted(topology.items())},
+            "allreduce": probes.get("allreduce", []), "comm": probes.get("comm", []),
+            "matmul": probes.get("matmul", []), "checks": [dataclasses.asdict(c) for c in checks]}
     path.write_text(json.dumps(data, indent=1), encoding="utf-8")
 
 

@@ -48,6 +48,10 @@ class Step:
     lora_targets: frozenset = frozenset()
     lora_rank: int = 0
     """0 = full fine-tune (every weight trainable); > 0 = LoRA on a frozen base."""
+    fused: bool = False
+    """Fused RMSNorm / SwiGLU kernels (Megatron-LM, Meta, Transformer Engine) instead of HF's eager modules:
+    the norm keeps its bf16 input and an fp32 rstd (no fp32 copy, no normalised copy), SwiGLU its input
+    (gate, up) and output (the down projection's input), not silu(gate)."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,7 @@ def llama_layer(arch: dict, st: Step) -> Layer:
     full = st.lora_rank == 0
     # RMSNorm x2: fp32 input copy (x.to(float32), kept by pow) + rsqrt (T) + normalised x (kept by
     # the weight multiply only if the weight trains) + the output, kept by the next linear(s).
-    norm = 2 * (FP32 * t * h + FP32 * t + (e * t * h if full else 0))
+    norm = 2 * (FP32 * t * h + FP32 * t + (e * t * h if full else 0)) if not st.fused else 2 * (e * t * h + FP32 * t)
     norm += e * t * h * (_saves(st, "q_proj", "k_proj", "v_proj") + _saves(st, "gate_proj", "up_proj"))
     if st.flash:  # q, k, v at their own head counts, output (shared with o_proj's input), lse fp32
         attn = e * t * (a * hd + 2 * kv * hd) + e * t * a * hd + FP32 * t * a
@@ -86,12 +90,19 @@ def llama_layer(arch: dict, st: Step) -> Layer:
     else:  # q and repeat_kv'd k, v; softmax in fp32 (+ its cast); contiguous output for o_proj
         attn = 3 * e * t * a * hd + (e * t * a * hd if _saves(st, "o_proj") else 0)
         core = st.micro_batch * a * st.seq**2 * (FP32 + (e if e != FP32 else 0))
-    mlp = 3 * e * t * inter + (e * t * inter if _saves(st, "down_proj") else 0)  # gate, silu, up, gate*up
+    mlp = (2 if st.fused else 3) * e * t * inter + (e * t * inter if _saves(st, "down_proj") else 0)  # gate, silu, up, gate*up
     if arch.get("experts"):  # MoE (Mixtral): each token's k expert copies keep their input, the SwiGLU
         # four and the weighted output; router logits, probabilities, top-k scores in fp32 (checked
         # against a real step, labkit.memory.measure; fake tensors cannot route)
         mlp = arch["top_k"] * e * t * (4 * inter + 2 * h) + 3 * FP32 * t * arch["experts"]
     lora = len(st.lora_targets) * e * t * st.lora_rank  # lora_A output, kept by lora_B
+    if st.fused and st.flash and not arch.get("experts"):
+        # Op-level selective recomputation (torchtitan's "op" policy, Megatron's fused kernels): keep the GEMM
+        # and attention outputs, recompute the cheap elementwise ones -- the two norm outputs and SwiGLU's
+        # product -- so `core` (what selective drops) is those; flash never stores the s x s scores anyway.
+        outputs = e * t * h * (_saves(st, "q_proj", "k_proj", "v_proj") + _saves(st, "gate_proj", "up_proj"))
+        product = e * t * inter if _saves(st, "down_proj") else 0
+        return Layer(replicated=norm - outputs, sharded=attn + mlp - product + lora, core=outputs + product)
     return Layer(replicated=norm, sharded=attn + mlp + lora, core=core)
 
 

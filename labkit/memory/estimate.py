@@ -118,6 +118,9 @@ class MemoryConfig:
     """Fused (flash/SDPA) attention: no (b, heads, s, s) matrices are kept."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (splits the norm regions over tp too)."""
+    fused_kernels: bool = False
+    """Activations as fused RMSNorm / SwiGLU kernels save them (Megatron-LM, Meta's and torchtitan's compiled
+    runs: `labkit.memory.activations.Step.fused`); False = Hugging Face's eager modules, what the course trains."""
     largest_layer: int | None = None
     """Parameters of the largest unit ZeRO-3 gathers at once (offloaded params); None = the model's
     largest block / embedding, or params / ASSUMED_LAYERS when only a count is given."""
@@ -146,7 +149,7 @@ class MemoryConfig:
         if self.batch is not None and self.batch % self.grad_accum:
             raise ConfigError(f"batch={self.batch} is not divisible by grad_accum={self.grad_accum}; "
                               "the batch is split into grad_accum equal micro-batches")
-        for name in ("flash_attention", "sequence_parallel"):
+        for name in ("flash_attention", "sequence_parallel", "fused_kernels"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r}; use True or False")
 
@@ -398,7 +401,7 @@ def _activations(spec: ModelSpec, cfg: MemoryConfig, notes: list) -> int:
         notes.append(f"cp={cfg.cp}: {seq} tokens of each sequence per GPU + {ring:,} B of ring K/V blocks")
     step = act.Step(micro_batch=micro, seq=seq, act_bytes=e, checkpointing=cfg.checkpointing,
                     flash=cfg.flash_attention, tp=cfg.tp, sp=cfg.sequence_parallel and cfg.tp > 1,
-                    pp=cfg.pp, n_micro=cfg.grad_accum,
+                    pp=cfg.pp, n_micro=cfg.grad_accum, fused=cfg.fused_kernels,
                     lora_targets=frozenset(lora_targets(spec, cfg)), lora_rank=cfg.lora_rank)
     notes.append(f"micro-batch {micro} x seq {seq}, {e} B activations, checkpointing {cfg.checkpointing}, "
                  f"{'flash/SDPA' if cfg.flash_attention else 'eager'} attention"
@@ -414,9 +417,10 @@ def lora_targets(spec: ModelSpec, cfg: MemoryConfig) -> tuple:
     return cfg.lora_targets
 
 
-def estimate(cfg: MemoryConfig) -> Estimate:
-    """Per-GPU bytes of weights, grads, optimizer states and activations; total = their sum."""
-    spec = spec_of(cfg)
+def estimate(cfg: MemoryConfig, *, spec: ModelSpec | None = None) -> Estimate:
+    """Per-GPU bytes of weights, grads, optimizer states and activations; total = their sum.
+    `spec` stands in for `cfg.model` when the model is not a file or preset (a published run's table row)."""
+    spec = spec or spec_of(cfg)
     parts, trainable, notes = _states(spec, cfg)
     cpu = _shard(parts, spec, cfg, trainable, notes)
     activations = _activations(spec, cfg, notes)

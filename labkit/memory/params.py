@@ -153,9 +153,86 @@ def params_spec(n: int) -> ModelSpec:
     return ModelSpec(f"{n} params", "params", n)
 
 
+# ----------------------------------------------------------------------------- HF config families
+# `labkit memory estimate --model` and `labkit plan --model` read a preset, an HF id in the local cache, a folder or
+# a config.json; a config of a known family becomes the exact parameter layout in pure Python (no torch):
+#   llama, mistral, qwen2, mixtral   gated SwiGLU MLP, RMSNorm, rotary; qwen2 adds q/k/v biases; mixtral's MLP is
+#                                    E experts + a router (`llama_spec`)
+#   gpt2, gpt_neox, bloom, opt,      GPT-style blocks: one attention (fused or separate q/k/v), a 4h (or ffn_dim)
+#   falcon                           GeLU/ReLU MLP, LayerNorms with biases (Korthikanti et al.'s activation formula)
+# Counts are exact: tests/test_planner_models.py builds each family on torch's meta device and compares.
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "mixtral")
+GPT_LIKE = ("gpt2", "gpt_neox", "bloom", "opt", "falcon")
+FAMILIES = LLAMA_LIKE + GPT_LIKE
+
+
+def _get(cfg: dict, *keys, default=None):
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    if default is not None:
+        return default
+    raise ConfigError(f"config.json of a {cfg.get('model_type')} model has none of {keys}; is it complete?")
+
+
+def family_spec(name: str, cfg: dict) -> ModelSpec:
+    """The spec of an HF config dict whose `model_type` is one of FAMILIES."""
+    kind = cfg.get("model_type")
+    if kind not in FAMILIES:
+        raise ConfigError(f"model_type {kind!r} is not modelled; known families: {', '.join(FAMILIES)}")
+    if kind in LLAMA_LIKE:
+        spec = llama_spec(name, cfg)
+        if kind == "qwen2":  # q, k, v projections carry biases
+            a = spec.arch
+            bias = a["layers"] * (a["heads"] + 2 * a["kv_heads"]) * a["head_dim"]
+            return ModelSpec(name, "llm", spec.params + bias, buffers=spec.buffers, embed=spec.embed,
+                             block=spec.block + bias // a["layers"], num_blocks=spec.num_blocks, head=spec.head,
+                             linears=spec.linears, arch=spec.arch, expert_params=spec.expert_params)
+        return spec
+    return _gpt_family(name, kind, cfg)
+
+
+def _gpt_family(name: str, kind: str, cfg: dict) -> ModelSpec:
+    h = _get(cfg, "hidden_size", "n_embd", "n_embed")
+    layers = _get(cfg, "num_hidden_layers", "n_layer")
+    heads = _get(cfg, "num_attention_heads", "n_head")
+    vocab = cfg["vocab_size"]
+    inter = _get(cfg, "intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", default=4 * h)
+    hd = h // heads
+    kv, positions, qkv_bias, mlp_bias = heads, 0, True, True
+    norms, tied, final_norm = 2, True, True
+    if kind == "gpt2":
+        positions = cfg.get("n_positions", 1024)
+    elif kind == "opt":
+        positions = cfg.get("max_position_embeddings", 2048) + 2  # OPT's learned positions are offset by 2
+        final_norm = cfg.get("do_layer_norm_before", True)
+        if cfg.get("word_embed_proj_dim", h) != h:
+            raise ConfigError("OPT with word_embed_proj_dim != hidden_size (opt-350m) is not modelled")
+    elif kind == "gpt_neox":
+        tied = bool(cfg.get("tie_word_embeddings", False))
+    elif kind == "falcon":
+        new = cfg.get("new_decoder_architecture", False)
+        kv = cfg.get("num_kv_heads") or heads if new else (1 if cfg.get("multi_query", True) else heads)
+        qkv_bias = mlp_bias = bool(cfg.get("bias", False))
+        norms = 2 if new or not cfg.get("parallel_attn", True) else 1
+    q = Linear("qkv", h, (heads + 2 * kv) * hd, layers, qkv_bias)
+    linears = (q, Linear("proj", heads * hd, h, layers, qkv_bias), Linear("fc1", h, inter, layers, mlp_bias),
+               Linear("fc2", inter, h, layers, mlp_bias))
+    block = sum((lin.fan_in + lin.bias) * lin.fan_out for lin in linears) + norms * 2 * h
+    embed = (vocab + positions) * h + (2 * h if kind == "bloom" else 0)  # BLOOM normalises its embeddings
+    head = (2 * h if final_norm else 0) + (0 if tied else vocab * h)
+    arch = dict(hidden=h, intermediate=inter, layers=layers, heads=heads, kv_heads=kv, head_dim=hd, vocab=vocab,
+                max_seq=positions or cfg.get("max_position_embeddings", cfg.get("seq_length", 2048)), tied=tied,
+                family=kind)
+    return ModelSpec(name, "gpt", embed + layers * block + head, embed=embed, block=block, num_blocks=layers,
+                     head=head, linears=linears, arch=arch)
+
+
 def config_spec(path: str | Path) -> ModelSpec:
-    """Spec of an HF config.json: exact count on the meta device; Llama-like architectures also get
-    their block layout (so LoRA, quantization and activations work); others are counts only."""
+    """Spec of an HF config.json: the families above (llama, mistral, qwen2, mixtral,
+    gpt2, gpt_neox, bloom, opt, falcon) by formula with their block layout; any other architecture is
+    counted exactly on the meta device (Llama-shaped ones keep their layout, the rest are counts only)."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     try:
@@ -163,6 +240,8 @@ def config_spec(path: str | Path) -> ModelSpec:
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot read {file} as a Hugging Face config.json ({exc}); "
                           "give a preset name or the path of a config.json") from exc
+    if cfg.get("model_type") in FAMILIES:  # pure Python: the planner and estimator never import torch for these
+        return family_spec(str(path), cfg)
     total = meta_param_count(file)
     keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     if all(k in cfg for k in keys):
@@ -180,9 +259,22 @@ def meta_param_count(config_file: Path) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(config_file))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:  # not a causal LM transformers can build (T5, BERT, ...)
+        raise ConfigError(f"{config_file}: model_type {config.model_type!r} is not a causal language model "
+                          f"transformers can build ({str(exc).splitlines()[0][:120]}); give a decoder-only "
+                          "model's config.json") from None
     return sum(p.numel() for p in model.parameters())  # parameters() yields each shared tensor once
+
+
+def published_configs() -> dict:
+    """Name -> HF config dict of the published models in labkit/data/model_configs.json (Llama 3 405B, BLOOM...)."""
+    from importlib import resources
+
+    data = json.loads(resources.files("labkit.data").joinpath("model_configs.json").read_text())
+    return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
 def model_spec(model: str) -> ModelSpec:
@@ -193,6 +285,8 @@ def model_spec(model: str) -> ModelSpec:
         return gpt_spec(model, dict(presets.GPT_PRESETS[model]))
     if model in presets.VISION_PRESETS:
         return resnet_spec(model, dict(presets.VISION_PRESETS[model]))
+    if model in published_configs():
+        return family_spec(model, published_configs()[model])
     path = Path(model)
     from labkit import hub
     if hub.is_hub_id(model):  # config.json only, from the HF cache (labkit.hub): no weights are read
@@ -202,4 +296,5 @@ def model_spec(model: str) -> ModelSpec:
             raise ConfigError(f"config file {model!r} does not exist; give a preset or an existing config.json")
         return config_spec(path)
     raise ConfigError(f"unknown model {model!r}; valid models are: {', '.join(presets.ALL_MODELS)}, "
+                      f"the published models {', '.join(published_configs())}, "
                       "the path of a Hugging Face config.json, or a Hugging Face id ORG/NAME")

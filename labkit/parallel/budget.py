@@ -9,7 +9,7 @@ The compute-optimal token count for N parameters is about 20 N (Hoffmann et al. 
 Table 3: 70B on 1.4T tokens); GPT-3 175B was trained on 300B, ~1.7 tokens per parameter.
 The time model is `labkit.parallel.planner.budget` (`labkit.parallel.perf_model`, calibrated on published runs); this
 module only adds the 6 N D arithmetic, the Chinchilla count and a ranking of the planner's layouts by
-cost. Pure Python (no torch). Introduced in notebook 09_beyond_3d.
+cost (each priced with the planner's own time model: `planner.layout_of`, so the two never disagree). Pure Python (no torch). Introduced in notebook 09_beyond_3d.
 """
 from __future__ import annotations
 
@@ -80,9 +80,8 @@ def rank_by_cost(model: str, tokens: float, gpu_counts, *, price_per_gpu_hour: f
         req = planner.PlanRequest(model=model, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, batch=batch,
                                   seq=seq, checkpointing=checkpointing)
         for o in planner.plan(req).fits:
-            lay = perf_model.Layout(dp=o.dp, tp=o.tp, pp=o.pp, micro_batch=o.micro_batch, microbatches=o.microbatches,
-                                    checkpointing=checkpointing, zero=o.zero, sequence_parallel=o.tp > 1)
-            b = planner.budget(model, tokens, lay, gpus, price_per_gpu_hour, seq=seq, gpu=gpu,
+            lay = planner.layout_of(req, o.dp, o.tp, o.pp, o.zero, o.micro_batch, cp=o.cp, ep=o.ep)
+            b = planner.budget(req.model_spec, tokens, lay, gpus, price_per_gpu_hour, seq=seq, gpu=gpu,
                                gpus_per_node=gpus_per_node, efficiency=req.efficiency)
             rows.append(CostRow(gpus, o.dp, o.tp, o.pp, o.zero, o.micro_batch, o.microbatches,
                                 o.memory_bytes / 1e9, b))

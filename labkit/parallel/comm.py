@@ -209,6 +209,30 @@ def stage_bubbles(events: Sequence[dict]) -> list[float]:
     return [1.0 - b / span if span > 0 else 0.0 for b in busy.values()]
 
 
+def stage_times(events: Sequence[dict]) -> list[float]:
+    """Per stage: its compute time per micro-batch (busy time / micro-batches it ran), in the events'
+    unit -- how even the stages are. A stage of a real model is rarely average: the first also embeds
+    the tokens, the last also runs the LM head and the loss."""
+    _, busy = _busy(events)
+    return [b / len({e["mb"] for e in events if e["stage"] == s}) for s, b in busy.items()]
+
+
+def uneven_bubble(times: Sequence[float], microbatches: int) -> list[float]:
+    """Per stage: the idle share of a flush pipeline whose stage s computes `times[s]` per micro-batch
+    (forward + backward), communication free. Every micro-batch passes every stage once and the
+    slowest stage paces the rest (a flow shop), so a step lasts sum(t) + (m - 1) max(t), of which
+    stage s computes m t_s: bubble_s = 1 - m t_s / (sum(t) + (m - 1) max(t)). Equal stages give
+    (p - 1) / (m + p - 1); uneven ones idle more, the fastest stage most -- and more micro-batches no
+    longer drive the bubble to 0 but to 1 - t_s / max(t). Exact for GPipe when each stage's backward
+    is a fixed multiple of its forward; 1F1B runs the same ops in another order, with the same span
+    for equal stages and close to it for uneven ones."""
+    _positive(microbatches=microbatches)
+    if not times or min(times) <= 0:
+        raise ConfigError(f"times={list(times)!r}: give one positive compute time per stage")
+    span = sum(times) + (microbatches - 1) * max(times)
+    return [1 - microbatches * t / span for t in times]
+
+
 def grid_bubble(events: Sequence[dict]) -> float:
     """The step's bubble, averaged over the stages: 1 - busy / (span x stages)."""
     span, busy = _busy(events)

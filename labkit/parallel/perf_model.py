@@ -1,174 +1,62 @@
 """Step time, MFU and HFU of one transformer layout on N GPUs: the planner's time model.
 
-Pure Python, no torch. Per optimizer step, on the slowest pipeline stage (the last one: it also runs
-the LM head), one micro-batch costs
-  matmul      (3 + recompute) x forward GEMM FLOPs / (peak x achievable matmul efficiency)
-  non-matmul  bytes / (HBM bandwidth x MEMORY_EFFICIENCY): norms, softmax, GeLU, dropout, residuals are
-              memory bound; each saved activation (`labkit.memory.activations`) is written once and read
-              once in the forward, twice that in the backward, once more when recomputed
-  TP          all-reduces on NVLink, 2 forward + 2 backward per layer (+ 2 when the whole layer is
-              recomputed), NOT overlapped (Narayanan et al. 2021 Sec. 3.2: on the critical path)
-  PP          one send forward, one backward of b*s*h/t bytes (scatter-gather, Sec. 4.1)
-and the step is (m + (p - 1) / v) micro-batch slots (1F1B; interleaved with v chunks per GPU). The
-data-parallel gradient reduce overlaps the last micro-batch's backward (DDP buckets; only the excess is
-exposed); ZeRO-3 parameter gathers are prefetched under all the compute. Then the optimizer step
-(memory bound, ~32 B per parameter it updates).
+Pure Python, no torch. Per optimizer step, on the slowest pipeline stage (the last one: it also runs the LM head
+and the loss), one micro-batch costs (`labkit.parallel.perf_ops`, where each mechanism is explained)
+  GEMMs       every linear's forward GEMM and the backward's two, at an additive roofline: FLOPs at the fitted
+              share of the peak + operands and output through HBM (thin GEMMs -- small hidden size, small
+              micro-batch, wide TP -- run slower); FP8 linears on the FP8 tensor cores
+  attention   a fused (flash) kernel at its own measured efficiency (half the scores: causal), or the 2021-22
+              unfused path (QK^T, AV as per-head GEMMs, the s x s scores through HBM)
+  memory-bound the elementwise kernels' bytes / (HBM bandwidth x MEMORY_EFFICIENCY): fused (Megatron, TE,
+              torch.compile) or eager PyTorch (`Layout.eager`), FP8 casts, the loss over the vocabulary
+  recompute   full: the whole forward again; selective 'core': the attention core; 'op': every 2nd matmul
+  TP          all-reduce equivalents on NVLink per layer (2 forward, 2 backward, + what recomputation redoes),
+              exposed (Narayanan et al. 2021 Sec. 3.2) unless overlapped with the GEMMs beside them (AsyncTP)
+  PP          1/tp of the boundary activation per rank, forward and backward per chunk (scatter/gather,
+              Sec. 4.1), over the network once the pipeline leaves the node; DeepSpeed's blocking engine
+              exposes twice as much
+and the step is (m + (p - 1) / v) micro-batch slots (1F1B; interleaved with v chunks per GPU). Data-parallel
+traffic is modelled layer by layer (`labkit.parallel.perf_dp`: DDP, ZeRO-1/2/3, FSDP, HSDP) and only the part
+the neighbouring layers' compute cannot hide is added. Then the optimizer step (memory bound, ~32 B per
+parameter it updates).
 
-FLOPs are counted as the papers count them (Narayanan et al. 2021 Eq. 3; Korthikanti et al. 2022
-Sec. 6): every GEMM of the forward (2 x fan_in x fan_out per token and linear, 4 s h per token for
-QK^T and AV, no causal halving, 2 h V for the logits), x3 for forward + backward. MFU counts only
-those; HFU adds the recomputed forward (full: every layer; selective: the attention core).
+FLOPs are counted as the papers count them (Narayanan et al. 2021 Eq. 3; Korthikanti et al. 2022 Sec. 6;
+`perf_ops.step_flops`): every GEMM of the forward, no causal halving, x3 for forward + backward. MFU counts
+only those, against the bf16 peak (also for FP8 runs, as Llama 3 and torchtitan report it); HFU adds what is
+recomputed.
 
-The achievable matmul efficiency per GPU and precision is a documented default (`DEFAULT_EFFICIENCY`),
-replaced by the node's own measurement when one is on file (`matmul_efficiency`, `PERF_FILE_ENV`).
-Validated in tests against `labkit/data/published_runs.json` (`labkit.parallel.published_runs`).
+GPUs, fabrics and the fitted constants: `labkit.parallel.hardware`. Validated against
+`labkit/data/published_runs.json` (`labkit.parallel.published_runs`, `bench/planner_heldout.py`).
 Introduced in notebook 07_model_parallel.
 """
 from __future__ import annotations
 
-import datetime as _dt
-import json
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
-from labkit.cache import cache_root
 from labkit.errors import ConfigError, choices_error
-from labkit.parallel import comm
+from labkit.parallel import comm, perf_ops
+from labkit.parallel.hardware import (ALIASES, GPUS, MEMORY_EFFICIENCY, OPTIMIZER_BYTES, PERF_FILE_ENV,  # noqa: F401
+                                      PERF_FILE_NAME, Efficiency, GpuSpec, attention_efficiency, comm_efficiency,
+                                      default_efficiency,
+                                      gpu_family, gpu_spec, matmul_efficiency, read_perf_file,
+                                      record_measurement)
+from labkit.parallel.perf_dp import dp_time, exposed_behind
+from labkit.parallel.perf_ops import (attention_flops, layer_forward_flops, linear_flops,  # noqa: F401 (re-exported)
+                                     recompute_flops, step_flops)
 
 
-@dataclass(frozen=True)
-class GpuSpec:
-    """One GPU model: memory, peak and the bandwidths the time model uses (per GPU, per direction)."""
-
-    memory_gb: float
-    """HBM in GB (10^9 B), as the profiles count it."""
-    peak_tflops: float
-    """Dense bf16 (V100: fp16) tensor-core peak."""
-    nvlink_gbs: float
-    """NVLink bandwidth inside a node, GB/s per direction."""
-    network_gbs: float
-    """Inter-node bandwidth per GPU, GB/s (one InfiniBand NIC per GPU as in DGX nodes)."""
-    hbm_gbs: float = 2039.0
-    """HBM bandwidth, GB/s (data sheet)."""
-
-
-#: Data sheets: A100 NVLink3 600 GB/s bidirectional, HDR 200 Gb/s, HBM2e 2039 GB/s (80GB) / 1555 (40GB);
-#: H100 SXM NVLink4 900, NDR 400 Gb/s, HBM3 3350; V100 NVLink2 300, EDR 100 Gb/s, HBM2 900.
-GPUS = {
-    "a100-80gb": GpuSpec(80.0, 312.0, 300.0, 25.0, 2039.0),
-    "a100-40gb": GpuSpec(40.0, 312.0, 300.0, 25.0, 1555.0),
-    "h100-80gb": GpuSpec(80.0, 989.0, 450.0, 50.0, 3350.0),
-    "v100-32gb": GpuSpec(32.0, 125.0, 150.0, 12.5, 900.0),
-}
-#: Share of the HBM data-sheet bandwidth that fused elementwise kernels reach (assumption: copy
-#: kernels reach ~80-90 %; norms and softmax a little less).
-MEMORY_EFFICIENCY = 0.8
-#: NCCL bus bandwidth over the link's data sheet for large messages (assumption: nccl-tests on DGX
-#: A100 report ~230 GB/s all-reduce bus bandwidth on 300 GB/s NVLink).
-COMM_EFFICIENCY = 0.75
-#: Bytes the optimizer step reads and writes per parameter it updates (Adam, mixed precision: fp32
-#: master, m, v and gradient read, three written back, bf16 weight written).
-OPTIMIZER_BYTES = 32
-#: Where `labkit preflight` / `labkit bench` write the node's measured matmul efficiency, and the
-#: environment variable that points elsewhere (format: `read_perf_file`).
-PERF_FILE_NAME = "matmul_efficiency.json"  # in labkit.cache.cache_root()
-PERF_FILE_ENV = "LABKIT_MATMUL_FILE"
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    """Achievable share of the dense tensor-core peak for the model's GEMMs, and where it came from."""
-
-    value: float
-    source: str
-
-
-#: Defaults by GPU family and precision. The A100 value is the one free parameter of the model, fitted
-#: to the published runs (tests/test_planner_calibration.py checks every row within 20 %); it sits below
-#: the best single GEMM (~86 % of peak in S. Bekman's ml-engineering "maximum achievable matmul FLOPS"
-#: table, not re-measured here) because transformer-shaped GEMMs, split by TP, are smaller.
-DEFAULT_EFFICIENCY = {
-    ("a100", "bf16"): Efficiency(0.72, "A100 bf16 default fitted to 26 published runs in labkit/data/"
-                                       "published_runs.json: Narayanan et al. 2021, Korthikanti et al. 2022"),
-    ("h100", "bf16"): Efficiency(0.70, "H100 bf16 default: an assumption, no H100 row in the published runs yet"),
-    ("v100", "fp16"): Efficiency(0.75, "V100 fp16 default: an assumption, no V100 row in the published runs yet"),
-}
-
-
-def gpu_family(gpu: str) -> str:
-    return gpu.split("-")[0]
-
-
-def read_perf_file(path: Path, gpu: str, precision: str) -> Efficiency | None:
-    """The measured efficiency for `gpu` and `precision` in a perf file, or None if it has none.
-
-    Format (JSON): {"measurements": [{"gpu": "a100-80gb", "precision": "bf16", "efficiency": 0.78,
-    "tflops": 243.4, "tool": "labkit preflight", "measured_at": "2026-11-25T01:00:00Z"}, ...]}.
-    `efficiency` = achieved dense GEMM TFLOPS on transformer shapes / the GPU's peak, in (0, 1]."""
-    try:
-        data = json.loads(path.read_text())
-        rows = data["measurements"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"cannot read matmul measurements from {path}: {exc}; rerun `labkit preflight` "
-                          f"or delete the file (format: labkit.parallel.perf_model.read_perf_file)") from None
-    for row in rows:
-        if row.get("gpu") == gpu and row.get("precision", "bf16") == precision:
-            value = row.get("efficiency")
-            if not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise ConfigError(f"{path}: efficiency={value!r} for {gpu}; it must be in (0, 1]")
-            tool = row.get("tool", "a measurement")
-            return Efficiency(float(value), f"measured on this node by {tool} ({path})")
-    return None
-
-
-def record_measurement(gpu: str, precision: str, tflops: float, *, tool: str, path: Path | None = None) -> Path:
-    """Add (or replace) this node's measured matmul efficiency in the perf file the planner reads.
-
-    efficiency = tflops / the GPU's peak (GPUS). Written by `labkit preflight` on a GPU node; the file is
-    `$LABKIT_MATMUL_FILE`, else matmul_efficiency.json in labkit's cache folder."""
-    if gpu not in GPUS:
-        raise choices_error("gpu", gpu, GPUS)
-    path = Path(path or os.environ.get(PERF_FILE_ENV) or cache_root() / PERF_FILE_NAME).expanduser()
-    rows = []
-    if path.exists():
-        try:
-            rows = json.loads(path.read_text())["measurements"]
-        except (OSError, ValueError, KeyError, TypeError):
-            rows = []  # an unreadable file is replaced by this measurement
-    row = {"gpu": gpu, "precision": precision, "efficiency": round(min(1.0, tflops / GPUS[gpu].peak_tflops), 4),
-           "tflops": round(tflops, 2), "tool": tool,
-           "measured_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
-    rows = [r for r in rows if not (r.get("gpu") == gpu and r.get("precision", "bf16") == precision)] + [row]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"measurements": rows}, indent=1))
-    tmp.replace(path)
-    return path
-
-
-def matmul_efficiency(gpu: str, precision: str = "bf16", *, override: float | None = None,
-                      path: Path | None = None) -> Efficiency:
-    """The efficiency to plan with: `override` > the node's perf file > the documented default."""
-    if override is not None:
-        if not 0 < override <= 1:
-            raise ConfigError(f"matmul_efficiency={override!r}; it must be in (0, 1], e.g. 0.8")
-        return Efficiency(float(override), "given by the caller (matmul_efficiency)")
-    path = Path(path or os.environ.get(PERF_FILE_ENV) or cache_root() / PERF_FILE_NAME).expanduser()
-    if path.exists():
-        measured = read_perf_file(path, gpu, precision)
-        if measured:
-            return measured
-    key = (gpu_family(gpu), precision)
-    if key not in DEFAULT_EFFICIENCY:
-        raise choices_error("gpu/precision", f"{gpu}/{precision}", [f"{g}/{p}" for g, p in DEFAULT_EFFICIENCY])
-    return DEFAULT_EFFICIENCY[key]
+SELECTIVE = ("core", "op")
+PIPELINE_ENGINES = ("megatron", "deepspeed")
+#: One-way transfer times of a boundary activation on the critical path per micro-batch in DeepSpeed's pipeline
+#: engine (blocking send/recv with both neighbours every step, chained; bench/pipeline_p2p_sim.py replays its
+#: TrainSchedule: 4.0-4.4 for 4-35 stages, 2 for 2).
+DEEPSPEED_P2P_EXPOSED = 4
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How one step is split: parallel degrees, micro-batching, recomputation, attention kernel."""
+    """How one step is split: parallel degrees, micro-batching, recomputation, kernels, sharding."""
 
     dp: int
     tp: int
@@ -188,6 +76,46 @@ class Layout:
     """Context parallel: GPUs one sequence is split over (ring attention); they also reduce gradients."""
     ep: int = 1
     """Expert parallel (MoE): dp ranks the experts are split over; tokens move by all-to-all."""
+    fsdp: bool = False
+    """zero=3 as torch FSDP: a fully recomputed forward reuses the backward's gathered parameters
+    (DeepSpeed ZeRO-3 gathers them once more)."""
+    shard_group: int = 0
+    """HSDP: ZeRO shards over groups of this many dp ranks and replicates across them; 0 = all dp ranks."""
+    dp_overlap: bool = True
+    """The gradient reduce / parameter gather overlap the backward / forward (False: Megatron-LM 2021-22)."""
+    precision: str = "bf16"
+    """bf16 (V100: fp16) or fp8 (the linears on FP8 tensor cores)."""
+    fused_kernels: bool = True
+    """Activations saved as fused kernels save them (Megatron, Meta); False = Hugging Face's eager modules."""
+    eager: bool = False
+    """Elementwise ops run as one eager PyTorch kernel each (no torch.compile, no fused kernels): more HBM traffic."""
+    selective: str = "core"
+    """What checkpointing='selective' recomputes: 'core' = the attention core (Korthikanti et al. 2022; a flash
+    kernel keeps its output, nothing to redo); 'op' = torchtitan's per-op policy, every second matmul and all
+    elementwise ops."""
+    tp_overlap: bool = False
+    """TP collectives split and overlapped with the GEMMs beside them (torchtitan's AsyncTP, Megatron's
+    --tp-comm-overlap): only what the GEMMs cannot hide, and the contention share, stays exposed."""
+    reduce_fp32: bool = False
+    """Data-parallel gradient reductions in fp32 (torchtitan's FSDP default) rather than bf16: twice the bytes."""
+    pipeline_engine: str = "megatron"
+    """Pipeline point-to-point: 'megatron' (send_forward_recv_backward pairs) or 'deepspeed' (blocking
+    rendezvous with both neighbours every step, which chain; Smith et al. 2022's MT-NLG, BLOOM). Both send
+    1/tp of the boundary activation per rank (Megatron's scatter/gather; DeepSpeed's partitioned tensors)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "micro_batch", "microbatches", "interleave", "cp", "ep"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r}; it must be a positive integer")
+        if self.interleave > 1 and self.pp == 1:
+            raise ConfigError(f"interleave={self.interleave} needs pipeline parallelism (pp > 1): it splits each "
+                              "pipeline rank's layers into chunks; use interleave 1")
+        for name, allowed in (("selective", SELECTIVE), ("pipeline_engine", PIPELINE_ENGINES)):
+            if getattr(self, name) not in allowed:
+                raise choices_error(name, getattr(self, name), allowed)
+        if self.shard_group and (not self.zero or self.dp % self.shard_group):
+            raise ConfigError(f"shard_group={self.shard_group} must divide dp={self.dp} and needs zero >= 1 (HSDP)")
 
 
 @dataclass(frozen=True)
@@ -199,7 +127,7 @@ class StepTime:
     tp_s: float
     pp_s: float
     dp_s: float
-    """Data-parallel communication NOT hidden under the backward / compute."""
+    """Data-parallel communication NOT hidden under the compute."""
     optimizer_s: float
     bubble: float
     step_s: float
@@ -215,107 +143,166 @@ class StepTime:
     """Ring-attention K/V exchange, counted as exposed (a fused ring kernel hides part of it)."""
     ep_s: float = 0.0
     """Expert all-to-all (dispatch + combine, forward and backward), counted as exposed."""
+    tokens_per_s_per_gpu: float = 0.0
+    dp_total_s: float = 0.0
+    """All data-parallel communication time, hidden or not."""
 
 
-def layer_forward_flops(spec, seq: int) -> float:
-    """Forward FLOPs of one layer per token: the GEMMs (from the spec's linears) + QK^T and AV."""
-    gemms = 2 * sum(lin.fan_in * lin.fan_out for lin in spec.linears)
-    if spec.arch.get("experts"):  # MoE: each token runs k SwiGLU experts (3 h x inter GEMMs) + the router
-        a = spec.arch
-        gemms += 2 * (a["top_k"] * 3 * a["hidden"] * a["intermediate"] + a["experts"] * a["hidden"])
-    return gemms + 4 * seq * spec.arch["heads"] * spec.arch["head_dim"]
+def _rates(gpu: str, lay: Layout, efficiency: Efficiency) -> perf_ops.Rates:
+    """What one GPU of `gpu` sustains for this layout (FP8: the linears on the FP8 tensor cores)."""
+    g = gpu_spec(gpu)
+    hbm = g.hbm_gbs * 1e9 * MEMORY_EFFICIENCY
+    attention = g.peak_tflops * 1e12 * attention_efficiency(gpu)
+    if lay.precision == "fp8":
+        if not g.fp8_tflops:
+            raise ConfigError(f"precision fp8 on {gpu}: it has no FP8 tensor cores; use bf16")
+        gemm = g.peak_tflops * 1e12 * default_efficiency(gpu, "bf16").value
+        return perf_ops.Rates(g.fp8_tflops * 1e12 * efficiency.value, gemm, attention, hbm, linear_bytes=1.0)
+    rate = g.peak_tflops * 1e12 * efficiency.value
+    return perf_ops.Rates(rate, rate, attention, hbm)
 
 
-def recompute_flops(spec, seq: int, checkpointing: str) -> float:
-    """Forward FLOPs per token and layer that the backward redoes."""
-    if checkpointing == "full":
-        return layer_forward_flops(spec, seq)
-    if checkpointing == "selective":  # the attention core only (Korthikanti Sec. 5)
-        return 4 * seq * spec.arch["heads"] * spec.arch["head_dim"]
-    return 0.0
+@dataclass(frozen=True)
+class _Slot:
+    """Seconds of one micro-batch on the slowest stage, by kind and pass."""
+
+    fwd_mm: float
+    bwd_mm: float
+    redo_mm: float
+    fwd_mem: float
+    bwd_mem: float
+    redo_mem: float
+
+    @property
+    def matmul(self) -> float:
+        return self.fwd_mm + self.bwd_mm + self.redo_mm
+
+    @property
+    def memory(self) -> float:
+        return self.fwd_mem + self.bwd_mem + self.redo_mem
 
 
-def step_flops(spec, tokens: int, seq: int, checkpointing: str) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of one step of `tokens` tokens."""
-    layers, logits = spec.arch["layers"], 2 * spec.arch["hidden"] * spec.arch["vocab"]
-    model = 3 * tokens * (layers * layer_forward_flops(spec, seq) + logits)
-    return model, model + tokens * layers * recompute_flops(spec, seq, checkpointing)
+def _compute(spec, lay: Layout, seq: int, layers: int, rates: perf_ops.Rates) -> _Slot:
+    """One micro-batch's compute on the last stage (its layers + the LM head and loss): GEMMs and attention
+    (`labkit.parallel.perf_ops`), elementwise kernels at HBM speed (the backward's twice the forward's bytes;
+    FP8 adds its casts), recomputation by checkpointing policy."""
+    b, t, q_seq = lay.micro_batch, lay.tp, seq // lay.cp
+    tok = b * q_seq
+    lin = layers * perf_ops.linears_s(spec, tok, t, rates, lay.ep)
+    att = layers * perf_ops.attention_s(spec, b, seq, q_seq, t, rates, lay.flash)
+    head = perf_ops.head_s(spec, tok, t, rates)
+    per_tok = layers * tok / rates.hbm  # seconds per (byte per token and layer)
+    elem = per_tok * perf_ops.elementwise_bytes(spec, tp=t, sp=lay.sequence_parallel and t > 1, seq=seq,
+                                                flash=lay.flash, eager=lay.eager)
+    core = per_tok * perf_ops.softmax_bytes(spec, t, seq, lay.eager) if not lay.flash else 0.0
+    cast_f, cast_b = (per_tok * x for x in perf_ops.fp8_cast_bytes(spec, tok, t)) if lay.precision == "fp8" else (0, 0)
+    loss = tok * perf_ops.loss_bytes(spec, t, lay.eager) / rates.hbm
+    if lay.checkpointing == "full":
+        redo_mm, redo_mem = lin + att, elem + cast_f
+    elif lay.checkpointing == "selective" and lay.selective == "op":
+        redo_mm = layers * perf_ops.linears_s(spec, tok, t, rates, lay.ep, every_other=True)
+        redo_mem = elem - core + cast_f
+    elif lay.checkpointing == "selective":
+        redo_mm, redo_mem = (0.0, 0.0) if lay.flash else (att, core)
+    else:
+        redo_mm = redo_mem = 0.0
+    attn_bwd = perf_ops.ATTENTION_BACKWARD if lay.flash else 2.0
+    return _Slot(fwd_mm=lin + att + head, bwd_mm=2 * lin + attn_bwd * att + 2 * head, redo_mm=redo_mm,
+                 fwd_mem=elem + cast_f + loss / 3, bwd_mem=2 * elem + cast_b + 2 * loss / 3, redo_mem=redo_mem)
 
 
-def _nonmatmul_bytes(spec, lay: Layout, seq: int, gpt: bool) -> float:
-    """HBM bytes per layer and micro-batch moved by elementwise kernels (forward, backward, recompute)."""
-    from labkit.memory import activations as act
+def _tp_collectives(lay: Layout) -> float:
+    """All-reduce equivalents per layer and micro-batch of tensor parallelism (Narayanan et al. 2021 Sec. 2.3:
+    2 forward, 2 backward; sequence parallelism's all-gather + reduce-scatter pairs move the same bytes). A fully
+    recomputed forward redoes its 2; torchtitan's per-op policy saves the reduce-scatters' outputs but redoes
+    the all-gathers (half an all-reduce each) -- or, without sequence parallelism, the 2 all-reduces."""
+    if lay.checkpointing == "full":
+        return 6
+    if lay.checkpointing == "selective" and lay.selective == "op":
+        return 5 if lay.sequence_parallel and lay.tp > 1 else 6
+    return 4
 
-    st = act.Step(micro_batch=lay.micro_batch, seq=seq, act_bytes=2, flash=lay.flash, tp=lay.tp,
-                  sp=lay.sequence_parallel and lay.tp > 1)
-    layer = (act.gpt_layer if gpt else act.llama_layer)(spec.arch, st)
-    saved = layer.stored(st)
-    redo = {"full": saved, "selective": layer.core / lay.tp, "none": 0.0}[lay.checkpointing]
-    return 2 * saved + 4 * saved + 2 * redo  # written+read forward, twice in backward, recompute
+
+def _tp_overlapped(spec, lay: Layout, tok: int, tp_s: float, n_ar: float, rates: perf_ops.Rates) -> float:
+    """Exposed TP seconds when each collective is split into tp chunks and overlapped with the GEMM next to it
+    (AsyncTP): an all-gather only behind the column-parallel GEMMs it feeds, a reduce-scatter only behind the
+    row-parallel GEMM it drains (`perf_ops.tp_blocks_s`); the first chunk waits, the rest hides up to the GEMM's
+    time, minus the contention share (`perf_dp.exposed_behind`). Backward and recomputed passes mirror it."""
+    half = tp_s / (2 * n_ar)  # one all-gather or reduce-scatter of one layer and pass
+    t = lay.tp
+    blocks = perf_ops.tp_blocks_s(spec, tok, t, rates)
+    if not blocks:  # no row-parallel linear to pair with: nothing known to hide behind
+        return tp_s
+    per_pass = sum(half / t + exposed_behind(half * (t - 1) / t, gemm) for col, row in blocks for gemm in (col, row))
+    return per_pass * n_ar / len(blocks)  # a pass of a layer is len(blocks) all-reduce equivalents
 
 
-def _dp_bandwidth(spec_gpu: GpuSpec, lay: Layout, gpus: int, gpus_per_node: int) -> float:
-    """Bus bandwidth (B/s) of a data-parallel ring: NVLink inside a node; across nodes the members
-    that share a node share its NICs (one per GPU), so k members per node move k x NIC."""
-    if gpus <= gpus_per_node:
-        return spec_gpu.nvlink_gbs * 1e9 * COMM_EFFICIENCY
-    per_node = max(1, gpus_per_node // (lay.tp * lay.pp))
-    return min(spec_gpu.nvlink_gbs, per_node * spec_gpu.network_gbs) * 1e9 * COMM_EFFICIENCY
+def _pp_cost(lay: Layout, act: float, gpus: int, gpus_per_node: int, nvlink: float, network: float
+             ) -> tuple[float, float]:
+    """(bytes sent, exposed seconds) of the pipeline's point-to-point traffic per micro-batch and GPU.
+
+    Each tensor-parallel rank sends 1/tp of the boundary activation (the receiving node all-gathers it on NVLink:
+    Megatron's scatter/gather, Narayanan et al. 2021 Sec. 4.1; DeepSpeed's partitioned activations and
+    gradients), once forward and once backward per model chunk (x interleave, Sec. 2.2.2). Megatron exchanges
+    with one neighbour at a time (send_forward_recv_backward): both transfers are exposed. DeepSpeed's pipeline
+    engine waits on blocking rendezvous with both neighbours every step, which chain through the pipeline:
+    replaying its TrainSchedule, 4 one-way transfer times per micro-batch reach the critical path
+    (`bench/pipeline_p2p_sim.py`), twice the two it sends."""
+    if lay.pp == 1:
+        return 0.0, 0.0
+    crosses = gpus > gpus_per_node and lay.tp * lay.cp * lay.dp >= gpus_per_node  # stages tp*cp*dp ranks apart
+    bw = network if crosses else nvlink
+    sent = 2 * lay.interleave * comm.bytes_sent("send_recv", act / lay.tp, 2)
+    exposed = DEEPSPEED_P2P_EXPOSED / 2 if lay.pipeline_engine == "deepspeed" else 1.0
+    return sent, exposed * sent / bw
 
 
 def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, efficiency: Efficiency,
-              params_on_gpu: float | None = None) -> StepTime:
+              params_on_gpu: float | None = None, inter_node_gbps: float | None = None) -> StepTime:
     """The time model of the module docstring for `spec` (a `labkit.memory.params.ModelSpec`)."""
-    g = GPUS[gpu]
+    g = gpu_spec(gpu)
+    inter = inter_node_gbps or g.inter_node_gbps
     gpus = lay.dp * lay.tp * lay.pp * lay.cp
-    a, b, t = spec.arch, lay.micro_batch, lay.tp
-    gpt = spec.kind == "gpt"
-    layers = math.ceil(a["layers"] / lay.pp)
-    flops_s = g.peak_tflops * 1e12 * efficiency.value
-    tok = b * seq // lay.cp  # this GPU's tokens of a micro-batch (its queries still see all seq keys)
-    fwd = layers * tok * layer_forward_flops(spec, seq) / t
-    head = tok * 2 * a["hidden"] * a["vocab"] / t  # vocab-parallel LM head, on the last stage
-    redo = layers * tok * recompute_flops(spec, seq, lay.checkpointing) / t
-    matmul = (3 * fwd + 3 * head + redo) / flops_s
-    nonmatmul = layers * _nonmatmul_bytes(spec, lay, seq // lay.cp, gpt) / (g.hbm_gbs * 1e9 * MEMORY_EFFICIENCY)
-    act = tok * a["hidden"] * 2  # one (b, s, h) bf16 activation
-    n_ar = (6 if lay.checkpointing == "full" else 4) * layers
+    t = lay.tp
+    layers = math.ceil(spec.arch["layers"] / lay.pp)
+    rates = _rates(gpu, lay, efficiency)
+    tok = lay.micro_batch * seq // lay.cp  # this GPU's tokens of a micro-batch (its queries still see all seq keys)
+    c = _compute(spec, lay, seq, layers, rates)
+    act = tok * spec.arch["hidden"] * 2  # one (b, s, h) bf16 activation
+    n_ar = _tp_collectives(lay) * layers
     tp_bytes = n_ar * comm.bytes_sent("all_reduce", act, t)
-    tp = tp_bytes / (g.nvlink_gbs * 1e9 * COMM_EFFICIENCY)
-    pp_bytes = 2 * comm.bytes_sent("send_recv", act / t, 2) if lay.pp > 1 else 0.0  # forward + backward
-    crosses = gpus > gpus_per_node and t * lay.pp > gpus_per_node
-    pp = pp_bytes / ((g.network_gbs if crosses else g.nvlink_gbs) * 1e9 * COMM_EFFICIENCY)
+    nvlink = g.nvlink_gbs * 1e9 * comm_efficiency("nvlink")
+    network = inter / 8 * 1e9 * comm_efficiency("network")
+    tp = tp_bytes / nvlink
+    if lay.tp_overlap and t > 1:
+        tp = _tp_overlapped(spec, lay, tok, tp, n_ar, rates)
+    pp_bytes, pp = _pp_cost(lay, act, gpus, gpus_per_node, nvlink, network)
     cp_bytes, ep_bytes = _cp_ep_bytes(spec, lay, tok, layers)
-    bw = lambda inside: (g.nvlink_gbs if inside else g.network_gbs) * 1e9 * COMM_EFFICIENCY  # noqa: E731
-    cp = cp_bytes / bw(t * lay.cp <= gpus_per_node)
-    ep = ep_bytes / bw(gpus <= gpus_per_node)
-    slot = matmul + nonmatmul + tp + pp + cp + ep
+    cp = cp_bytes / (nvlink if t * lay.cp <= gpus_per_node else network)
+    ep = ep_bytes / (nvlink if gpus <= gpus_per_node else network)
+    slot = c.matmul + c.memory + tp + pp + cp + ep
     m = lay.microbatches
     pipeline = comm.step_slots(lay.pp, m, lay.interleave) * slot
     bubble = comm.bubble_fraction(lay.pp, m, lay.interleave)
     params = params_on_gpu if params_on_gpu is not None else spec.params / (t * lay.pp)
-    d = lay.dp * lay.cp  # cp ranks hold replicas too: they reduce gradients with the dp ranks
-    if lay.zero == 3:  # gather for forward and backward, reduce-scatter, every micro-batch
-        dp_bytes = 3 * m * comm.bytes_sent("all_gather", 2 * params, d)
-        hidden = pipeline
-    else:  # one gradient all-reduce (ZeRO-1/2: reduce-scatter + all-gather, same bytes)
-        dp_bytes = comm.bytes_sent("all_reduce", 2 * params, d)
-        hidden = (2 * fwd + 2 * head + redo) / flops_s  # the last micro-batch's backward
-    dp_time = dp_bytes / _dp_bandwidth(g, lay, gpus, gpus_per_node) if d > 1 else 0.0
-    dp_exposed = max(0.0, dp_time - hidden)
+    fwd_s = c.fwd_mm + c.fwd_mem + tp * 2 / _tp_collectives(lay)
+    dp = dp_time(lay, gpu=g, layers=layers, params_on_gpu=params, fwd_s=fwd_s, bwd_s=slot - fwd_s,
+                 gpus_per_node=gpus_per_node, inter_node_gbps=inter)
+    d = lay.dp * lay.cp
     updated = params / (d if lay.zero else 1)
-    optimizer = OPTIMIZER_BYTES * updated / (g.hbm_gbs * 1e9 * MEMORY_EFFICIENCY)
-    step = pipeline + dp_exposed + optimizer
-    model, hardware = step_flops(spec, b * m * lay.dp * seq, seq, lay.checkpointing)
+    optimizer = OPTIMIZER_BYTES * updated / rates.hbm
+    step = pipeline + dp.exposed + optimizer
+    tokens = lay.micro_batch * m * lay.dp * seq
+    model, hardware = step_flops(spec, tokens, seq, lay.checkpointing, lay.flash, lay.selective)
     peak_all = gpus * g.peak_tflops * 1e12
-    return StepTime(matmul_s=m * matmul, nonmatmul_s=m * nonmatmul, tp_s=m * tp, pp_s=m * pp, dp_s=dp_exposed,
+    return StepTime(matmul_s=m * c.matmul, nonmatmul_s=m * c.memory, tp_s=m * tp, pp_s=m * pp, dp_s=dp.exposed,
                     optimizer_s=optimizer, bubble=bubble, step_s=step, model_flops=model,
                     hardware_flops=hardware, mfu=model / (peak_all * step), hfu=hardware / (peak_all * step),
                     tflops_per_gpu=hardware / gpus / step / 1e12,
-                    comm_bytes={"tp": int(m * tp_bytes), "pp": int(m * pp_bytes), "dp": int(dp_bytes),
+                    comm_bytes={"tp": int(m * tp_bytes), "pp": int(m * pp_bytes), "dp": int(dp.bytes),
                                 **({"cp": int(m * cp_bytes)} if lay.cp > 1 else {}),
                                 **({"ep": int(m * ep_bytes)} if lay.ep > 1 else {})},
-                    cp_s=m * cp, ep_s=m * ep)
+                    cp_s=m * cp, ep_s=m * ep, tokens_per_s_per_gpu=tokens / step / gpus, dp_total_s=dp.seconds)
 
 
 def _cp_ep_bytes(spec, lay: Layout, tok: int, layers: int) -> tuple[float, float]:
@@ -351,7 +338,8 @@ class Budget:
 
 
 def budget(model, tokens: float, layout: Layout, gpus: int, price_per_gpu_hour: float = 0.0, *, seq: int = 2048,
-           gpu: str = "a100-80gb", gpus_per_node: int = 8, efficiency: Efficiency | None = None) -> Budget:
+           gpu: str = "a100-80gb", gpus_per_node: int = 8, efficiency: Efficiency | None = None,
+           inter_node_gbps: float | None = None) -> Budget:
     """Days, GPU-hours and cost of `tokens` training tokens for `model` (a preset name or a
     `labkit.memory.params.ModelSpec`) with `layout` on `gpus` GPUs, from `step_time`.
 
@@ -359,15 +347,15 @@ def budget(model, tokens: float, layout: Layout, gpus: int, price_per_gpu_hour: 
     from labkit.memory.estimate import check_topology
     from labkit.memory.params import model_spec
 
-    check_topology(layout.dp, layout.tp, layout.pp, gpus)
+    check_topology(layout.dp, layout.tp, layout.pp, gpus, layout.cp)
     if tokens <= 0 or price_per_gpu_hour < 0:
         raise ConfigError(f"tokens={tokens!r}, price_per_gpu_hour={price_per_gpu_hour!r}: tokens must be "
                           "positive and the price not negative")
     spec = model_spec(model) if isinstance(model, str) else model
-    if gpu not in GPUS:
-        raise choices_error("gpu", gpu, GPUS)
-    eff = efficiency or matmul_efficiency(gpu, "fp16" if gpu.startswith("v100") else "bf16")
-    t = step_time(spec, layout, seq=seq, gpu=gpu, gpus_per_node=gpus_per_node, efficiency=eff)
+    eff = efficiency or matmul_efficiency(gpu, layout.precision if layout.precision == "fp8" else
+                                          ("fp16" if gpu_family(gpu) == "v100" else "bf16"))
+    t = step_time(spec, layout, seq=seq, gpu=gpu, gpus_per_node=gpus_per_node, efficiency=eff,
+                  inter_node_gbps=inter_node_gbps)
     per_step = layout.dp * layout.microbatches * layout.micro_batch * seq
     steps = math.ceil(tokens / per_step)
     seconds = steps * t.step_s

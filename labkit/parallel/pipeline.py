@@ -90,8 +90,9 @@ class LlamaStage(nn.Module):
         h = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x  # (B, T, H)
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, T)
         rope = self.model.rotary_emb(h, position_ids=pos)  # (cos, sin), each (1, T, head_dim)
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
-                                  past_key_values=None, position_ids=pos)  # None: SDPA's is_causal
+        # (config, inputs_embeds, attention_mask, cache, position_ids) by position: transformers 5.x renamed
+        # `past_key_values` to `cache` (the old name goes in 5.40); no KV cache in training. None: SDPA's is_causal.
+        mask = create_causal_mask(self.config, h, None, None, pos)
         for layer in self.model.layers.values():
             h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos)
         if self.lm_head is not None:

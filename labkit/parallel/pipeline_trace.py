@@ -12,7 +12,7 @@ import statistics
 
 from torch import nn
 
-from labkit.parallel.comm import bubble_fraction, events_of, max_in_flight
+from labkit.parallel.comm import bubble_fraction, events_of, max_in_flight, stage_times
 from labkit.parallel.comm import stage_bubbles as measured_bubble
 
 
@@ -89,7 +89,9 @@ def schedule_facts(gathered: list[list[list[tuple]]], stages: int, microbatches:
     per_step = [events_of([g[i] for g in gathered]) for i in range(steps)]
     measured = [statistics.mean(measured_bubble(ev)) for ev in per_step]
     kept = measured[skip:] or measured
+    times = [stage_times(ev) for ev in (per_step[skip:] or per_step)]  # per step: ms per micro-batch per stage
     last = per_step[-1]
     return {"bubble_theory": bubble_fraction(stages, microbatches), "bubble_measured": statistics.median(kept),
             "bubble_per_stage": [round(b, 4) for b in measured_bubble(last)],
+            "stage_ms": [round(statistics.median(t), 4) for t in zip(*times)],
             "max_in_flight": max_in_flight(last), "schedule_trace": last}

@@ -11,13 +11,14 @@ Megatron-LM", Sec. 3 "takeaways"):
 - TP inside a node: its all-reduces are on the critical path of every layer, so tp <= GPUs per node
   (NVLink); a larger tp is rejected.
 - PP across nodes: only activations of one micro-batch cross a stage boundary (point-to-point).
-- DP outermost; ZeRO-1 (the distributed optimizer) composes with PP; ZeRO-2/3 do not (DeepSpeed
-  refuses them with pipeline parallelism: gradients/params are needed by every micro-batch), so with
-  pp > 1 only stages 0 and 1 are enumerated.
+- DP outermost; every ZeRO stage composes with PP (Megatron's distributed optimizer is ZeRO-1; Llama 3
+  shards gradients too, ZeRO-2; torchtitan runs FSDP x TP x PP). The price is in the time model: ZeRO-2
+  reduces gradients every micro-batch, ZeRO-3 gathers the parameters every micro-batch.
 
 Time model: `labkit.parallel.perf_model` (matmuls at an achievable efficiency, memory-bound non-matmul work,
-recomputation by checkpointing mode, TP communication exposed, DP gradient reduce hidden under the
-backward where it fits), calibrated against published runs (`labkit.parallel.published_runs`). Every plan says
+recomputation by checkpointing mode, TP communication exposed, DP collectives layer by layer, hidden only
+behind the compute next to them: `labkit.parallel.perf_dp`), its constants fitted to published runs and
+checked on held-out ones (`labkit.parallel.published_runs`, `bench/planner_heldout.py`). Every plan says
 which matmul efficiency it assumed and where it came from. `budget` turns a layout into days and cost.
 Introduced in notebook 07_model_parallel.
 """
@@ -26,16 +27,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from labkit import presets
-from labkit.parallel import perf_model
 from labkit.errors import ConfigError, choices_error
-from labkit.parallel.perf_model import GPUS, Budget, Efficiency, GpuSpec, budget  # noqa: F401 (re-exported)
+from labkit.parallel import hardware, perf_model
 from labkit.parallel.dims import ParallelDims
+from labkit.parallel.perf_model import GPUS, Budget, Efficiency, GpuSpec, budget  # noqa: F401 (re-exported)
 
-
-#: Share of HBM the plan may fill: the rest is CUDA context, NCCL buffers and fragmentation,
-#: which the estimator does not count.
-USABLE = 0.9
+#: Share of HBM the plan may fill: the rest is the CUDA context (~0.5-1 GB), NCCL's buffers (~1-2 GB) and
+#: allocator fragmentation, which the estimator does not count. 5 %: with expandable segments the
+#: fragmentation of a steady training loop stays small, and tuned production runs fill their GPUs (Llama 3
+#: 405B trained 8K sequences without recomputation on 80 GB H100s: Dubey et al. 2024 Sec. 3.3.2).
+USABLE = 0.95
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 #: From this sequence length on, the plan also splits sequences (context parallelism, ring attention).
 LONG_SEQUENCE = 16384
@@ -46,6 +47,7 @@ class PlanRequest:
     """What to plan for. `batch` is the GLOBAL batch in sequences (default 8 per GPU)."""
 
     model: str
+    """A preset, a Hugging Face id in the local cache, a folder or a config.json (`labkit memory estimate`'s)."""
     gpus: int
     gpus_per_node: int
     gpu: str = "a100-80gb"
@@ -56,41 +58,74 @@ class PlanRequest:
     """Activation recomputation assumed for every layout: 'full', 'selective' or 'none'."""
     usable: float = USABLE
     matmul_efficiency: float | None = None
-    """Share of peak the GEMMs reach; None = the node's measurement if on file, else the default."""
+    """Share of peak the GEMMs reach; None = `measured` if given, else the fitted default."""
+    measured: str | None = None
+    """A `labkit preflight` measurement file to plan with instead of the fitted efficiency (read only if given)."""
+    inter_node_gbps: float | None = None
+    """Inter-node bandwidth per GPU, Gb/s; None = the GPU's system default (A100 200, H100/H200/B200 400)."""
+    interleave: int = 1
+    """Virtual pipeline stages per rank for layouts with pp > 1 (Narayanan et al. 2021 Sec. 2.2.2)."""
+    flash: bool = True
+    """Fused (flash) attention; False = the softmax kernels of 2021-22 Megatron (s x s scores in HBM)."""
+    sequence_parallel: bool = True
+    """Sequence parallelism under TP (Korthikanti et al. 2022)."""
+    precision: str = "bf16"
+    """bf16 (V100: fp16) or fp8 (H100/H200/B200 linears on FP8 tensor cores)."""
+    fsdp: bool = False
+    """ZeRO-3 layouts as torch FSDP (the recomputed forward reuses the backward's gather) rather than DeepSpeed."""
+    fused_kernels: bool = True
+    """Fused norm / SwiGLU kernels (Megatron, Meta, torch.compile): their activation memory and HBM traffic;
+    False = Hugging Face's eager modules (more saved activations, one kernel per elementwise op)."""
     efficiency: Efficiency | None = None
-    """Filled in from `matmul_efficiency` (`labkit.parallel.perf_model.matmul_efficiency`): value and source."""
+    """Filled in (`labkit.parallel.hardware.matmul_efficiency`): value and source."""
 
     def __post_init__(self) -> None:
-        presets.model_kind(self.model)  # ConfigError listing valid presets
-        if presets.model_kind(self.model) == "vision":
-            raise ConfigError(f"the planner splits transformers; {self.model!r} is a vision model: use an LLM or "
-                              "GPT preset such as gpt3-175b or llama2-7b")
-        if self.gpu not in GPUS:
-            raise choices_error("gpu", self.gpu, GPUS)
-        for name in ("gpus", "gpus_per_node", "batch", "seq"):
+        spec = model_spec_of(self.model)
+        for name in ("gpus", "gpus_per_node", "batch", "seq", "interleave"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"{name}={value!r}; it must be a positive integer")
+        object.__setattr__(self, "gpu", hardware.canonical(self.gpu))
         if self.gpus % self.gpus_per_node and self.gpus > self.gpus_per_node:
             raise ConfigError(f"gpus={self.gpus} is not a whole number of nodes of {self.gpus_per_node}; "
                               f"use a multiple of {self.gpus_per_node}")
+        if self.inter_node_gbps is not None and not self.inter_node_gbps > 0:
+            raise ConfigError(f"inter_node_gbps={self.inter_node_gbps!r}; give the per-GPU bandwidth, e.g. 200")
         if self.batch is None:
             object.__setattr__(self, "batch", 8 * self.gpus)
         if self.seq is None:
-            object.__setattr__(self, "seq", min(_arch(self.model)["max_position_embeddings"], 2048))
+            object.__setattr__(self, "seq", min(spec.arch["max_seq"], 2048))
         if self.checkpointing not in ("full", "selective", "none"):
             raise choices_error("checkpointing", self.checkpointing, ("full", "selective", "none"))
-        precision = "fp16" if self.gpu.startswith("v100") else "bf16"
-        object.__setattr__(self, "efficiency",
-                           perf_model.matmul_efficiency(self.gpu, precision, override=self.matmul_efficiency))
+        precision = hardware.default_precision(self.gpu) if self.precision == "bf16" else self.precision
+        object.__setattr__(self, "efficiency", hardware.matmul_efficiency(
+            self.gpu, precision, override=self.matmul_efficiency, measured=self.measured))
 
     @property
     def spec(self) -> GpuSpec:
-        return GPUS[self.gpu]
+        return hardware.gpu_spec(self.gpu)
+
+    @property
+    def model_spec(self):
+        return model_spec_of(self.model)
 
     @property
     def capacity_bytes(self) -> float:
         return self.spec.memory_gb * 1e9 * self.usable
+
+
+def model_spec_of(model: str):
+    """The `ModelSpec` of what `labkit memory estimate` accepts, if the planner can split it."""
+    from labkit.memory.estimate import MemoryConfig, spec_of
+
+    spec = spec_of(MemoryConfig(model=model))
+    if spec.kind == "vision":
+        raise ConfigError(f"the planner splits transformers; {model!r} is a vision model: use an LLM or "
+                          "GPT preset such as gpt3-175b or llama2-7b, or a transformer's config.json")
+    if spec.kind == "params":
+        raise ConfigError(f"{model!r} is counted but its layers are not modelled (families: llama, mistral, "
+                          "qwen2, mixtral, gpt2, gpt_neox, bloom, opt, falcon); the planner needs them")
+    return spec
 
 
 @dataclass(frozen=True)
@@ -123,6 +158,10 @@ class Option:
     """Context-parallel degree (long sequences only)."""
     ep: int = 1
     """Expert-parallel degree (MoE models only)."""
+    tokens_per_s_per_gpu: float = 0.0
+    dp_comm_s: float = 0.0
+    """All data-parallel communication per step, hidden or not (`comm_s['dp']` is the exposed part)."""
+    interleave: int = 1
 
     @property
     def dims(self) -> ParallelDims:
@@ -137,10 +176,6 @@ class Option:
         return {**dataclasses.asdict(self), "layout": self.layout, "memory_gb": round(self.memory_bytes / 1e9, 2)}
 
 
-def _arch(model: str) -> dict:
-    return dict(presets.LLM_PRESETS.get(model) or presets.GPT_PRESETS[model])
-
-
 def layout_dims(dp: int, tp: int, pp: int, zero: int = 0, *, cp: int = 1, ep: int = 1) -> ParallelDims:
     """The ParallelDims of a layout: with ZeRO the dp ranks shard (dp_shard), without it they replicate."""
     return ParallelDims(dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1, tp=tp, pp=pp, cp=cp, ep=ep)
@@ -150,10 +185,10 @@ def check_layout(req: PlanRequest, dp: int, tp: int, pp: int, zero: int = 0, *, 
     """ConfigError naming why (dp, tp, pp, zero, cp, ep) cannot run `req`; returns None when it can."""
     # "tp(8) * pp(8) * dp(8) = 512 != gpus(64)"
     layout_dims(dp, tp, pp, zero, cp=cp).check_world(req.gpus, label="gpus")
-    arch = _arch(req.model)
+    arch = req.model_spec.arch
     if req.seq % cp:
         raise ConfigError(f"cp={cp} does not split seq={req.seq} into equal chunks; use a cp that divides it")
-    experts = arch.get("num_local_experts", 0)
+    experts = arch.get("experts", 0)
     if ep > 1 and (not experts or dp % ep or experts % ep):
         raise ConfigError(f"ep={ep} must divide dp={dp} and the {experts} experts of {req.model} "
                           "(expert parallelism splits the experts over data-parallel ranks)")
@@ -161,51 +196,71 @@ def check_layout(req: PlanRequest, dp: int, tp: int, pp: int, zero: int = 0, *, 
         raise ConfigError(f"tp={tp} > {req.gpus_per_node} GPUs per node: a tensor-parallel group all-reduces "
                           "inside every layer and must sit on one node's NVLink; use tp <= "
                           f"{req.gpus_per_node} and put the rest into pp or dp")
-    for key in ("num_attention_heads", "num_key_value_heads"):
-        if key in arch and arch[key] % tp:
-            raise ConfigError(f"tp={tp} does not divide {key}={arch[key]}: every rank needs whole heads")
-    if pp > arch["num_hidden_layers"]:
-        raise ConfigError(f"pp={pp} > {arch['num_hidden_layers']} layers: every stage needs at least one layer")
-    if pp > 1 and zero >= 2:
-        raise ConfigError(f"zero={zero} with pp={pp}: ZeRO-2/3 shard gradients/parameters that every "
-                          "micro-batch of a pipeline needs (DeepSpeed refuses it); use zero 0 or 1 with pp > 1")
+    for key in ("heads", "kv_heads"):
+        if arch[key] % tp:
+            raise ConfigError(f"tp={tp} does not divide the model's {arch[key]} {key.replace('_', ' ')}: "
+                              "every rank needs whole heads")
+    if pp > arch["layers"]:
+        raise ConfigError(f"pp={pp} > {arch['layers']} layers: every stage needs at least one layer")
+    v = req.interleave if pp > 1 else 1
+    if v > 1 and arch["layers"] % (pp * v) and (arch["layers"] + 2) % (pp * v):
+        raise ConfigError(f"interleave={v} x pp={pp} does not divide the {arch['layers']} layers into equal "
+                          "chunks (nor layers + 2, an embedding-only first and an output-only last chunk as in "
+                          "Llama 3); choose an interleave that does")
     if dp == 1 and zero:
         raise ConfigError(f"zero={zero} with dp=1 shards over one rank and saves nothing; use zero 0")
     if req.batch % dp:
         raise ConfigError(f"global batch {req.batch} does not split over dp={dp}; use a multiple of {dp}")
 
 
+def layout_of(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch: int, *, cp: int = 1,
+              ep: int = 1) -> perf_model.Layout:
+    """The time model's `Layout` of one layout of `req` (its switches: interleave, flash, SP, precision...)."""
+    return perf_model.Layout(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, microbatches=req.batch // dp // micro_batch,
+                             checkpointing=req.checkpointing, zero=zero, sequence_parallel=req.sequence_parallel and tp > 1,
+                             interleave=req.interleave if pp > 1 else 1, flash=req.flash, cp=cp, ep=ep,
+                             fsdp=req.fsdp, precision=req.precision, fused_kernels=req.fused_kernels,
+                             eager=not req.fused_kernels)
+
+
 def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch: int, *,
              cp: int = 1, ep: int = 1) -> Option:
     """Memory (estimator) and step time (`labkit.parallel.perf_model`) of one valid layout."""
-    from labkit.memory.estimate import MemoryConfig, estimate, spec_of
+    from labkit.memory.estimate import MemoryConfig, estimate
 
     per_replica = req.batch // dp
     m = per_replica // micro_batch
+    sp = req.sequence_parallel and tp > 1
     cfg = MemoryConfig(model=req.model, precision="mixed-bf16", zero=zero, dp=dp, tp=tp, pp=pp, gpus=req.gpus,
                        batch=per_replica, grad_accum=m, seq=req.seq, checkpointing=req.checkpointing,
-                       sequence_parallel=tp > 1, cp=cp, ep=ep)
+                       sequence_parallel=sp, cp=cp, ep=ep, flash_attention=req.flash,
+                       fused_kernels=req.fused_kernels)
     est = estimate(cfg)
-    spec = spec_of(cfg)
+    spec = req.model_spec
     share = est.weights / 2 / spec.params * (dp if zero == 3 else 1)  # weights are 2 B/param before ZeRO-3
-    lay = perf_model.Layout(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, microbatches=m,
-                            checkpointing=req.checkpointing, zero=zero, sequence_parallel=tp > 1,
-                            flash=cfg.flash_attention, cp=cp, ep=ep)
+    lay = layout_of(req, dp, tp, pp, zero, micro_batch, cp=cp, ep=ep)
     t = perf_model.step_time(spec, lay, seq=req.seq, gpu=req.gpu, gpus_per_node=req.gpus_per_node,
-                             efficiency=req.efficiency, params_on_gpu=share * spec.params)
+                             efficiency=req.efficiency, params_on_gpu=share * spec.params,
+                             inter_node_gbps=req.inter_node_gbps)
     comm = {"tp": t.tp_s, "pp": t.pp_s, "dp": t.dp_s, **({"cp": t.cp_s} if cp > 1 else {}),
             **({"ep": t.ep_s} if ep > 1 else {})}
     return Option(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m, micro_batch=micro_batch,
                   memory_bytes=est.total, fits=est.total <= req.capacity_bytes, bubble=round(t.bubble, 4),
                   comm_s={k: round(v, 4) for k, v in comm.items()}, comm_bytes=t.comm_bytes,
                   compute_s=round(t.matmul_s + t.nonmatmul_s, 4), step_s=round(t.step_s, 4), mfu=round(t.mfu, 4),
-                  hfu=round(t.hfu, 4), tflops_per_gpu=round(t.tflops_per_gpu, 1), cp=cp, ep=ep)
+                  hfu=round(t.hfu, 4), tflops_per_gpu=round(t.tflops_per_gpu, 1), cp=cp, ep=ep,
+                  tokens_per_s_per_gpu=round(t.tokens_per_s_per_gpu, 1), dp_comm_s=round(t.dp_total_s, 4),
+                  interleave=lay.interleave)
 
 
 def assumption(req: PlanRequest) -> dict:
     """The matmul efficiency a plan assumed and its source (JSON and text output)."""
     return {"matmul_efficiency": req.efficiency.value, "source": req.efficiency.source,
-            "peak_tflops": req.spec.peak_tflops}
+            "peak_tflops": req.spec.fp8_tflops if req.precision == "fp8" else req.spec.peak_tflops,
+            "precision": req.precision, "attention_efficiency": hardware.attention_efficiency(req.gpu),
+            "comm_efficiency": hardware.comm_efficiency("nvlink"),
+            "network_efficiency": hardware.comm_efficiency("network"),
+            "inter_node_gbps": req.inter_node_gbps or req.spec.inter_node_gbps}
 
 
 def _divisors(n: int) -> list[int]:
@@ -236,7 +291,7 @@ def _cp_degrees(req: PlanRequest, rest: int) -> list[int]:
 
 def _ep_degrees(req: PlanRequest, dp: int) -> list[int]:
     """Expert-parallel degrees to try: only for MoE models, dividing dp and the expert count."""
-    experts = _arch(req.model).get("num_local_experts", 0)
+    experts = req.model_spec.arch.get("experts", 0)
     return [e for e in _divisors(dp) if e == 1 or (experts and experts % e == 0)]
 
 
@@ -262,12 +317,11 @@ def plan(req: PlanRequest) -> Plan:
 def _options(req: PlanRequest, dp: int, tp: int, pp: int, cp: int, ep: int) -> list:
     """Every ZeRO stage and micro-batch size of one valid (dp, tp, pp, cp, ep)."""
     out = []
-    for zero in range(4):
-        if (zero and dp == 1) or (zero >= 2 and pp > 1):
-            continue
+    for zero in range(4 if dp > 1 else 1):
         for b in MICRO_BATCH_SIZES:
             per_replica = req.batch // dp
-            if per_replica % b or per_replica // b < (pp if pp > 1 else 1):
+            m = per_replica // b if per_replica % b == 0 else 0
+            if m < (pp if pp > 1 else 1) or (req.interleave > 1 and pp > 1 and m % pp):
                 continue
             out.append(evaluate(req, dp, tp, pp, zero, b, cp=cp, ep=ep))
     return out
@@ -300,6 +354,9 @@ def format_plan(p: Plan, top: int = 10) -> str:
 
 
 def format_assumption(req: PlanRequest) -> str:
-    e = req.efficiency
-    return (f"assumes matmuls at {e.value:.0%} of the {req.spec.peak_tflops:.0f} TFLOPS peak "
-            f"({e.source}); checkpointing {req.checkpointing}")
+    e, a = req.efficiency, assumption(req)
+    return (f"assumes {req.precision} matmuls at {e.value:.0%} of the {a['peak_tflops']:.0f} TFLOPS peak "
+            f"({e.source}) plus their HBM traffic, flash attention at {a['attention_efficiency']:.0%}; NCCL at {a['comm_efficiency']:.0%} of NVLink and {a['network_efficiency']:.0%} of "
+            f"{a['inter_node_gbps']:g} Gb/s per GPU between nodes; checkpointing {req.checkpointing}" + ("" if req.flash else ", no flash attention")
+            + ("" if req.sequence_parallel else ", no sequence parallelism")
+            + (f", interleave {req.interleave}" if req.interleave > 1 else ""))

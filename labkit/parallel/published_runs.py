@@ -1,21 +1,30 @@
 """Published large-scale training runs (`labkit/data/published_runs.json`) beside `labkit.parallel.perf_model`'s
-prediction for the same layout: the planner's calibration table.
+prediction for the same layout: the planner's calibration AND held-out table.
 
-Every row cites its paper and table; `assumed` lists what the paper does not state, `calibration`
-False marks a row shown for comparison but not yet checked against its source. Notebook 07 prints
-`compare()`; tests/test_planner_calibration.py holds the model to within 20 % of every row.
+Every row cites its source and quotes the numbers as read (`verified`); `assumed` lists what the source does
+not state. `status` says whether the fitted constants (`labkit.parallel.hardware.CONSTANTS`) saw the row
+(`calibration`) or not (`held_out`); `uncertain` quotes the source's own words where its layout or hardware
+is too uncertain for the row to count. Errors are compared in tokens/s per GPU: a row that publishes a
+utilization or TFLOPS is converted with the model's own FLOP count (the papers' formula: Narayanan et al.
+2021 Eq. 3), so the ratio is the same either way. Notebook 07 prints `compare()`; `bench/planner_heldout.py`
+prints the held-out table and a leave-one-source-out cross-validation (`labkit.parallel.calibration`).
 Introduced in notebook 07_model_parallel.
 """
 from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 
-from labkit.parallel import perf_model
+from labkit.parallel import hardware, perf_model
 
 DATA = "published_runs.json"
+#: The reported metric a row is compared on, in order of preference (what the source published most directly).
+METRICS = ("tokens_per_s_per_gpu", "iteration_s", "mfu", "hfu", "tflops_per_gpu")
+LAYOUT_FIELDS = ("checkpointing", "zero", "sequence_parallel", "interleave", "flash", "fsdp", "shard_group",
+                 "dp_overlap", "precision", "fused_kernels", "cp", "eager", "selective", "reduce_fp32", "tp_overlap",
+                 "pipeline_engine")
 
 
 @dataclass(frozen=True)
@@ -25,10 +34,7 @@ class PublishedRun:
     id: str
     source: str
     where: str
-    hidden: int
-    heads: int
-    layers: int
-    vocab: int
+    status: str
     seq: int
     gpu: str
     gpus: int
@@ -37,40 +43,91 @@ class PublishedRun:
     dp: int
     batch: int
     micro_batch: int
-    checkpointing: str
     reported: dict
-    sequence_parallel: bool = False
-    flash: bool = False
-    zero: int = 0
-    interleave: int = 1
+    verified: str
+    hidden: int = 0
+    heads: int = 0
+    layers: int = 0
+    vocab: int = 0
+    ffn: int = 0
+    config: dict | None = None
     params_b: float | None = None
+    gpus_per_node: int = 8
+    inter_node_gbps: float | None = None
+    layout_options: dict = field(default_factory=dict)
     assumed: tuple = ()
-    calibration: bool = True
+    uncertain: str = ""
     note: str = ""
+    hardware: str = ""
+    miss: str = ""
+    """Why a counted row the model misses by more than 20 % is missed (printed by bench/planner_heldout.py)."""
+
+    @classmethod
+    def from_dict(cls, row: dict) -> "PublishedRun":
+        row = dict(row)
+        opts = {k: row.pop(k) for k in LAYOUT_FIELDS if k in row}
+        assumed = tuple(row.pop("assumed", ()))
+        return cls(**row, layout_options=opts, assumed=assumed)
+
+    @property
+    def calibration(self) -> bool:
+        return self.status == "calibration"
+
+    @property
+    def counts(self) -> bool:
+        """Whether the row counts in the 20 % criterion (no `uncertain` statement)."""
+        return not self.uncertain
 
     @property
     def metric(self) -> str:
-        """What the paper reports: 'mfu' when it gives one, else 'hfu' (recomputation counted)."""
-        return "mfu" if "mfu" in self.reported else "hfu"
+        return next(m for m in METRICS if m in self.reported)
 
     def spec(self):
         from labkit.memory.params import gpt_spec
 
-        cfg = dict(hidden_size=self.hidden, intermediate_size=4 * self.hidden, num_hidden_layers=self.layers,
-                   num_attention_heads=self.heads, vocab_size=self.vocab, max_position_embeddings=self.seq)
+        if self.config:
+            return _spec(self.id, json.dumps(self.config, sort_keys=True))
+        cfg = dict(hidden_size=self.hidden, intermediate_size=self.ffn or 4 * self.hidden,
+                   num_hidden_layers=self.layers, num_attention_heads=self.heads, vocab_size=self.vocab,
+                   max_position_embeddings=self.seq)
         return gpt_spec(self.id, cfg)
 
     def layout(self) -> perf_model.Layout:
+        opts = {"checkpointing": "full", "sequence_parallel": False, "flash": False, **self.layout_options}
         return perf_model.Layout(dp=self.dp, tp=self.tp, pp=self.pp, micro_batch=self.micro_batch,
-                                 microbatches=self.batch // (self.dp * self.micro_batch),
-                                 checkpointing=self.checkpointing, zero=self.zero,
-                                 sequence_parallel=self.sequence_parallel, interleave=self.interleave,
-                                 flash=self.flash)
+                                 microbatches=self.batch // (self.dp * self.micro_batch), **opts)
 
-    def predict(self, efficiency: perf_model.Efficiency | None = None) -> perf_model.StepTime:
-        eff = efficiency or perf_model.DEFAULT_EFFICIENCY[(perf_model.gpu_family(self.gpu), "bf16")]
-        return perf_model.step_time(self.spec(), self.layout(), seq=self.seq, gpu=self.gpu, gpus_per_node=8,
-                                    efficiency=eff)
+    def predict(self, efficiency: hardware.Efficiency | None = None) -> perf_model.StepTime:
+        lay = self.layout()
+        eff = efficiency or hardware.default_efficiency(self.gpu, lay.precision)
+        return perf_model.step_time(self.spec(), lay, seq=self.seq, gpu=self.gpu, gpus_per_node=self.gpus_per_node,
+                                    efficiency=eff, inter_node_gbps=self.inter_node_gbps)
+
+    def compare(self, efficiency: hardware.Efficiency | None = None) -> dict:
+        """Predicted vs published tokens/s per GPU (and the source's own metric), and the relative error."""
+        p = self.predict(efficiency)
+        metric, want = self.metric, self.reported[self.metric]
+        tps = p.tokens_per_s_per_gpu
+        if metric == "tokens_per_s_per_gpu":
+            published = want
+        elif metric == "iteration_s":
+            published = self.batch * self.seq / want / self.gpus
+        else:  # a utilization or a FLOP rate: the model's FLOPs per token convert it
+            published = tps * want / getattr(p, metric)
+        return dict(id=self.id, source=self.source, status=self.status, counts=self.counts, gpus=self.gpus,
+                    gpu=self.gpu, tp=self.tp, pp=self.pp, dp=self.dp, zero=self.layout().zero, metric=metric,
+                    reported=want, predicted_tps=round(tps, 2), published_tps=round(published, 2),
+                    rel_err=round(tps / published - 1, 4), mfu=round(p.mfu, 3), hfu=round(p.hfu, 3),
+                    tflops_per_gpu=round(p.tflops_per_gpu, 1),
+                    **({"published_tflops": self.reported["tflops_per_gpu"]} if "tflops_per_gpu" in self.reported
+                       else {}))
+
+
+@functools.lru_cache(maxsize=64)
+def _spec(name: str, config: str):
+    from labkit.memory.params import family_spec
+
+    return family_spec(name, json.loads(config))
 
 
 @functools.lru_cache(maxsize=1)
@@ -83,37 +140,46 @@ def sources() -> dict:
     return dict(_load()["sources"])
 
 
-def runs(*, calibration_only: bool = False) -> list[PublishedRun]:
-    rows = [PublishedRun(**{**r, "assumed": tuple(r.get("assumed", ()))}) for r in _load()["runs"]]
-    return [r for r in rows if r.calibration or not calibration_only]
+def runs(*, calibration_only: bool = False, held_out_only: bool = False) -> list[PublishedRun]:
+    rows = [PublishedRun.from_dict(r) for r in _load()["runs"]]
+    if calibration_only:
+        rows = [r for r in rows if r.calibration]
+    if held_out_only:
+        rows = [r for r in rows if not r.calibration]
+    return rows
 
 
 def best_mfu(gpu_family: str = "a100") -> float:
-    """The highest MFU any calibrated row reports for this GPU family (the planner's ceiling)."""
+    """The highest MFU any calibration row reports for this GPU family (the planner's ceiling)."""
     return max(r.reported["mfu"] for r in runs(calibration_only=True)
-               if "mfu" in r.reported and perf_model.gpu_family(r.gpu) == gpu_family)
+               if "mfu" in r.reported and hardware.gpu_family(r.gpu) == gpu_family)
 
 
-def compare(efficiency: perf_model.Efficiency | None = None) -> list[dict]:
-    """One dict per run: layout, what the paper reports, what the model predicts, relative error."""
-    out = []
-    for r in runs():
-        p = r.predict(efficiency)
-        got = getattr(p, r.metric)
-        want = r.reported[r.metric]
-        out.append(dict(id=r.id, gpus=r.gpus, tp=r.tp, pp=r.pp, dp=r.dp, batch=r.batch,
-                        checkpointing=r.checkpointing, metric=r.metric, reported=want, predicted=round(got, 3),
-                        rel_err=round(got / want - 1, 3), mfu=round(p.mfu, 3), hfu=round(p.hfu, 3),
-                        tflops_per_gpu=round(p.tflops_per_gpu, 1), calibration=r.calibration, source=r.source))
-    return out
+def compare(efficiency: hardware.Efficiency | None = None, rows=None) -> list[dict]:
+    """One dict per run: layout, what the source reports, what the model predicts, relative error."""
+    return [r.compare(efficiency) for r in (rows if rows is not None else runs())]
 
 
 def format_compare(rows: list[dict]) -> str:
-    head = (f"{'run':<34} {'GPUs':>5} {'t':>2} {'p':>3} {'d':>3} {'recompute':>9} {'metric':>6} "
-            f"{'paper':>6} {'model':>6} {'error':>6}")
+    head = (f"{'run':<38} {'status':<11} {'GPUs':>6} {'t':>2} {'p':>3} {'d':>4} {'z':>1} "
+            f"{'tok/s/GPU':>9} {'model':>9} {'error':>6}")
     lines = [head]
     for r in rows:
-        mark = "" if r["calibration"] else "  (unverified row)"
-        lines.append(f"{r['id']:<34} {r['gpus']:>5} {r['tp']:>2} {r['pp']:>3} {r['dp']:>3} {r['checkpointing']:>9} "
-                     f"{r['metric']:>6} {r['reported']:>6.3f} {r['predicted']:>6.3f} {r['rel_err']:>+6.0%}{mark}")
+        mark = "" if r["counts"] else "  (uncertain: not counted)"
+        lines.append(f"{r['id']:<38} {r['status']:<11} {r['gpus']:>6} {r['tp']:>2} {r['pp']:>3} {r['dp']:>4} "
+                     f"{r['zero']:>1} {r['published_tps']:>9.1f} {r['predicted_tps']:>9.1f} {r['rel_err']:>+6.0%}{mark}")
     return "\n".join(lines)
+
+
+
+def memory(run: PublishedRun):
+    """The estimator's per-GPU bytes for a row's layout (`labkit.memory.estimate`, the planner's settings:
+    mixed-bf16 Adam, the row's recomputation, fused kernels unless the row says otherwise)."""
+    from labkit.memory.estimate import MemoryConfig, estimate
+
+    lay = run.layout()
+    cfg = MemoryConfig(model=run.id, precision="mixed-bf16", zero=lay.zero, dp=run.dp, tp=run.tp, pp=run.pp,
+                       cp=lay.cp, batch=run.batch // run.dp, grad_accum=lay.microbatches, seq=run.seq,
+                       checkpointing=lay.checkpointing, flash_attention=lay.flash,
+                       sequence_parallel=lay.sequence_parallel and run.tp > 1, fused_kernels=lay.fused_kernels)
+    return estimate(cfg, spec=run.spec())

@@ -143,18 +143,23 @@ def _largest_divisor(n: int, below: int) -> int:
 
 
 # ------------------------------------------------------------------------------ the design, checked
-def expected_collectives(num_layers: int, *, sequence_parallel: bool = False) -> dict[str, int]:
+def expected_collectives(num_layers: int, *, sequence_parallel: bool = False, fused: bool = False) -> dict[str, int]:
     """Collectives per training step (forward + backward) the TP plan implies, by kind.
 
     Without SP: forward 1 (embedding) + 2 per layer (o_proj, down_proj) all-reduces; backward 5 per
-    layer (inputs of q, k, v, gate, up) + 1 (LM head input) all-reduces; loss_parallel adds 3
-    all-reduces (max, sum-exp, target logit). With SP each row-wise all-reduce becomes a
+    layer (inputs of q, k, v, gate, up: each column-parallel Linear all-reduces its own input
+    gradient) + 1 (LM head input) all-reduces; loss_parallel adds 3 all-reduces (max, sum-exp,
+    target logit). `fused=True` counts Megatron-LM's layer instead (Shoeybi et al. 2019, Sec. 3 and
+    Fig. 4): q, k, v are ONE column-parallel GEMM and so are gate and up, so each half of the layer
+    has one f (its input gradient all-reduced in backward) and one g (all-reduce in forward) --
+    2 forward + 2 backward = 4 per layer instead of 7. With SP each row-wise all-reduce becomes a
     reduce-scatter and each colwise-region input an all-gather (and their backward the reverse).
-    `tests/test_tensor.py` compares this with CommDebugMode's count, so a wrong plan fails.
+    `tests/test_tensor.py` compares the unfused count with CommDebugMode's, so a wrong plan fails.
     """
     loss = 3
     if not sequence_parallel:
-        return {"all_reduce": 1 + 2 * num_layers + 5 * num_layers + 1 + loss}
+        backward_per_layer = 2 if fused else 5
+        return {"all_reduce": 1 + 2 * num_layers + backward_per_layer * num_layers + 1 + loss}
     # forward: embedding reduce-scatter, per layer 2 all-gathers (attn, mlp inputs) + 2 reduce-scatters,
     # LM head all-gather; backward mirrors it (all-gather <-> reduce-scatter).
     per_dir = {"all_gather": 2 * num_layers + 1, "reduce_scatter": 2 * num_layers + 1}
@@ -171,10 +176,22 @@ def count_collectives(fn) -> dict[str, int]:
         fn()
     out: dict[str, int] = {}
     for op, n in mode.get_comm_counts().items():
-        name = str(getattr(op, "__name__", op)).split(".")[-1]
-        name = name.replace("_into_tensor", "").replace("_tensor", "").replace("_coalesced", "")
+        name = collective_name(op)
         out[name] = out.get(name, 0) + n
     return out
+
+
+def collective_name(op) -> str:
+    """'all_reduce', 'all_gather', ... for a functional collective (DTensor's) or a c10d op (a hand-written
+    `dist.all_reduce`, notebook 07's exercise), so the two count under one name."""
+    name = str(getattr(op, "__name__", op)).split(".")[-1]
+    name = name.replace("_into_tensor", "").replace("_tensor", "").replace("_coalesced", "")
+    return C10D_NAMES.get(name.strip("_").replace("_base", ""), name)
+
+
+#: torch.ops.c10d op names (allreduce_, _allgather_base_, ...) -> the functional names DTensor's count uses.
+C10D_NAMES = {"allreduce": "all_reduce", "allgather": "all_gather", "alltoall": "all_to_all",
+              "reduce_scatter": "reduce_scatter", "broadcast": "broadcast"}
 
 
 # ------------------------------------------------------------------------------------------ hook

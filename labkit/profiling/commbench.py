@@ -14,10 +14,13 @@ Bandwidths (NVIDIA nccl-tests, doc/PERFORMANCE.md; GB/s = 10^9 bytes/s):
   all-gather, Patarasuk & Yuan 2009), all-gather, reduce-scatter and all-to-all (n-1)/n x S, broadcast S
   (the course's one model of this: `labkit.parallel.comm`).
 
-Rank 0 writes the measurements to `<out>/comm_bench.json` (format: `save`); by default `<out>` is
-~/.cache/labkit, where notebook 03's ring model and the preflight look for it (`load_measured_bandwidth`;
-`$LABKIT_COMM_FILE` points elsewhere). Run on ranks as `python -m labkit.profiling.commbench ...` (the CLI does it
-through `labkit.launch`). Introduced in notebook 09_beyond_3d.
+Rank 0 writes the measurements to `<out>/comm_bench.json` (format: `save`). By default `<out>` is the
+results root (`labkit.results.runs_root`: $LABKIT_RUNS, else runs/), beside the runs: the one place where
+notebook 09 and `labkit bench comm` write it and notebook 03's ring model and `labkit preflight` read it
+(`default_file`, `load_measured_bandwidth`). On a GPU node the defaults measure like nccl-tests: every GPU
+(`default_nproc`), messages up to 1 GiB (`GPU_SIZES`), since busbw only reaches the link's plateau for
+large messages. Run on ranks as `python -m labkit.profiling.commbench ...` (the CLI does it through
+`labkit.launch`). Introduced in notebook 09_beyond_3d.
 """
 from __future__ import annotations
 
@@ -29,15 +32,18 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from labkit.cache import cache_root
 from labkit.errors import ConfigError, choices_error
 from labkit.parallel import comm
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
-#: File name of the measurements inside --out; default folder and the env var that overrides the file.
+#: File name of the measurements inside --out (default folder: the results root, `default_file`).
 FILE_NAME = "comm_bench.json"
-COMM_FILE_ENV = "LABKIT_COMM_FILE"
-DEFAULT_SIZES = "1K,16K,256K,4M,16M"
+#: Message sizes on CPU (gloo through loopback TCP: larger ones only take longer) and on GPUs: up to 1 GiB,
+#: as nccl-tests is run (`all_reduce_perf -b 8 -e 1G`); NCCL's busbw still climbs at 256 MiB (nccl-tests#212).
+CPU_SIZES = "1K,16K,256K,4M,16M"
+GPU_SIZES = "1K,64K,1M,16M,256M,1G"
+#: Below this largest size a GPU measurement is not the link's bandwidth yet (the reader says so).
+PLATEAU_BYTES = 256 * 2**20
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 _ELEMENT = 4  # fp32
 #: Largest message a rehearsal allocates (labkit.rehearsal): the node's 1G buffers are host RAM here.
@@ -199,7 +205,7 @@ def main(argv=None) -> None:
     import torch.distributed as dist
 
     p = argparse.ArgumentParser(prog="python -m labkit.profiling.commbench")
-    p.add_argument("--sizes", default=DEFAULT_SIZES)
+    p.add_argument("--sizes", default=CPU_SIZES)
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
@@ -234,7 +240,20 @@ def load(path: str | Path) -> list[CommMeasurement]:
 
 
 def default_file() -> Path:
-    return Path(os.environ.get(COMM_FILE_ENV) or cache_root() / FILE_NAME).expanduser()
+    """`comm_bench.json` in the results root ($LABKIT_RUNS, else runs/): where notebook 09 and `labkit bench
+    comm` write it, and notebook 03 and the preflight read it."""
+    from labkit.results import runs_root
+
+    return Path(runs_root()) / FILE_NAME
+
+
+def default_nproc(gpus: int) -> int:
+    """Ranks to measure with on a machine with `gpus` CUDA devices: all of them (2 or more), else 2 CPU ranks."""
+    return gpus if gpus >= 2 else 2
+
+
+def default_sizes(on_gpus: bool) -> str:
+    return GPU_SIZES if on_gpus else CPU_SIZES
 
 
 @dataclass(frozen=True)
@@ -262,9 +281,12 @@ def load_measured_bandwidth(path: str | Path | None = None, *, op: str = "all_re
     if not rows:
         return None
     best = max(rows, key=lambda r: r.bytes)
+    short = (f"; its largest message, {best.bytes / 2**20:g} MiB, is below the bandwidth plateau: rerun "
+             "`labkit bench comm` with its defaults (every GPU, up to 1 GiB)"
+             if best.backend == "nccl" and best.bytes < PLATEAU_BYTES else "")
     return MeasuredBandwidth(best.busbw_gbps * 1e9, op, best.bytes, best.world_size, best.backend,
                              f"measured by labkit bench comm: {op} {best.bytes:,} B on {best.world_size} ranks "
-                             f"({best.backend}), {path}")
+                             f"({best.backend}), {path}{short}")
 
 
 # ------------------------------------------------------------------------ showing it

@@ -65,15 +65,27 @@ def run(strategy: str, model: str, *, timeout_s: float | None = None, stream: bo
     if rehearsal.active():  # the node's launch, stood in for in this process (labkit.train.stand_in)
         stand_in.launch([cfg], env=cls.launch_env(cfg))
         return record_of(cfg.run.out, cfg.run.run_id)
-    from labkit import launch
+    from labkit import launch, rank_pool
 
-    launch.run(WORKER, ["--config-json", cfg.to_json()], nproc=cfg.launch.nproc, timeout_s=_timeout(cfg, timeout_s),
-               env=cls.launch_env(cfg), nnodes=cfg.launch.nnodes, node_rank=cfg.launch.node_rank,
-               rdzv_endpoint=cfg.launch.rdzv_endpoint, stream=stream,
-               threads=launch.cpu_threads(cfg.launch.nproc, cpu_heavy=cfg.run.strategy in launch.CPU_HEAVY_STRATEGIES))
+    # Warm ranks (labkit.rank_pool) in a notebook: the ranks of the previous run take this one if they can
+    # (only a pool started with the same threads: labkit.rank_pool.PoolKey).
+    rank_pool.run(WORKER, ["--config-json", cfg.to_json()], nproc=cfg.launch.nproc, timeout_s=_timeout(cfg, timeout_s),
+                  env=cls.launch_env(cfg), nnodes=cfg.launch.nnodes, node_rank=cfg.launch.node_rank,
+                  rdzv_endpoint=cfg.launch.rdzv_endpoint, stream=stream, group=process_group(cfg),
+                  threads=cfg.launch.threads or launch.cpu_threads(cfg.launch.nproc,
+                                                                   cpu_heavy=cfg.run.strategy in launch.CPU_HEAVY_STRATEGIES))
     if cfg.launch.node_rank != 0:
         return None
     return record_of(cfg.run.out, cfg.run.run_id)
+
+
+def process_group(cfg: TrainConfig) -> str:
+    """What the ranks' process group is made of (labkit.train.worker.join_group): warm ranks serve only
+    runs that agree on it."""
+    from labkit.profiles import get_profile
+
+    prof = get_profile(cfg.run.profile)
+    return f"{prof.backend}/{prof.device}/{prof.timeout_s:g}"
 
 
 def require_hardware(profile: str) -> None:
@@ -90,7 +102,14 @@ def _in_process(cfg: TrainConfig) -> results.RunRecord:
 
     ctx = local_context(cfg)
     try:
-        return train(cfg, ctx)
+        if cfg.launch.threads is None:
+            return train(cfg, ctx)
+        # --threads N: this process computes with N intra-op threads, as a launched rank would, and gives
+        # the caller's count back (a 1-rank baseline on both cores of a 2-core machine would measure threads).
+        from labkit.train.metrics import intra_op_threads
+
+        with intra_op_threads(cfg.launch.threads):
+            return train(cfg, ctx)
     finally:
         free_device_memory(ctx.device)  # hand the GPU back to the ranks a later launch starts
 

@@ -52,8 +52,9 @@ class RunSection:
     """Optimizer steps to run in total (a resumed run continues up to this count); default from the profile."""
     seed: int = 0
     """Seed of the model init, the data order and every RNG."""
-    out: str = "runs"
-    """Output folder: results.jsonl (appended, never overwritten) and checkpoints/."""
+    out: str = ""
+    """Output folder: results.jsonl (appended, never overwritten) and checkpoints/; '' = $LABKIT_RUNS, else
+    runs (`labkit.results.runs_root`)."""
     run_id: str = ""
     """Identifies this run's record in results.jsonl ('' = a fresh id, set by `run()`)."""
     data: str = "synthetic"
@@ -95,9 +96,15 @@ class LaunchSection:
     """This node's rank in 0..nnodes-1."""
     rdzv_endpoint: str | None = None
     """HOST:PORT of the rendezvous (the head node) when nnodes > 1."""
+    threads: int | None = None
+    """Intra-op (OpenMP) threads per rank, also for a run in this process; default: a launched rank gets
+    `labkit.launch.cpu_threads` (1, or cores / ranks for CPU-heavy strategies), an in-process run torch's
+    default (every core). Give runs you compare by time the same count (notebook 03's ladder: 1)."""
 
     def __post_init__(self) -> None:
         _count("nproc", self.nproc, minimum=1)
+        if self.threads is not None:
+            _count("threads", self.threads, minimum=1)
         _count("nnodes", self.nnodes, minimum=1)
         _count("node_rank", self.node_rank, minimum=0)
         if self.nnodes > 1 and not self.rdzv_endpoint:
@@ -288,7 +295,8 @@ class TrainConfig:
         return dataclasses.replace(self, **sections)
 
     def resolve(self, profile=None) -> "TrainConfig":
-        """A copy with every `None` replaced by the profile's value (idempotent). `amp` left None takes
+        """A copy with every `None` replaced by the profile's value and an empty `out` by the results root
+        (idempotent). `amp` left None takes
         the profile's dtype: a run that must be fp32 on every profile (a baseline) says amp='none'.
         `profile`: a `Profile` object standing in for the named one (`labkit.course.profile_check` sizes
         changed profiles with it)."""
@@ -300,7 +308,11 @@ class TrainConfig:
                     batch=prof.llm_batch if llm else prof.image_batch, seq_len=prof.seq_len,
                     image_size=prof.image_size, workers=0 if prof.device == "cpu" else 4)
         flat = self.flat()
-        return self.replace(**{k: v for k, v in fill.items() if flat[k] is None})
+        fill = {k: v for k, v in fill.items() if flat[k] is None}
+        if not flat["out"]:  # the results root: $LABKIT_RUNS, else runs
+            from labkit.results import runs_root
+            fill["out"] = runs_root()
+        return self.replace(**fill)
 
     def to_json(self) -> str:
         """Nested JSON: {"run": {...}, "launch": {...}, ...}."""

@@ -35,6 +35,8 @@ class _Progress:
     prior_losses: list[float] = field(default_factory=list)
     local_losses: list = field(default_factory=list)
     times: list[float] = field(default_factory=list)
+    cpu_times: list[float] = field(default_factory=list)
+    """CPU-seconds of each step (all threads of this process): what the rank computed, not what it waited."""
     flops: list[float] = field(default_factory=list)
     resumed_from: int | None = None
     stopped: str | None = None
@@ -103,7 +105,8 @@ def _train(cfg, ctx):
         held = eval_batches(held_out, global_batch=cfg.optim.batch, dp_rank=hook.dp_rank, dp_size=hook.dp_size,
                             count=cfg.run.eval_batches)
         evaluation = hook.evaluate([_to_device(b, ctx.device, cfg.precision.channels_last) for b in held]) if held else None
-        facts = dict(losses=_floats(progress.local_losses), times=progress.times, flops=progress.flops,
+        facts = dict(losses=_floats(progress.local_losses), times=progress.times, cpu_times=progress.cpu_times,
+                     flops=progress.flops,
                      peak=peak.result(), bytes=tuple(hook.resident_bytes()), eval=evaluation, eval_start=start_eval)
         gathered = _gather(ctx, facts)
         if not ctx.is_main:
@@ -145,7 +148,7 @@ def _run_steps(cfg, ctx, hook, task, loader, ckpt, deadline, progress, peak, tra
                disable=not (ctx.is_main and cfg.run.progress), file=sys.stderr, mininterval=0.5)
     for local, step in enumerate(range(start, cfg.run.steps)):
         tracer.before(local)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         inputs, targets = _to_device(next(batches), ctx.device, cfg.precision.channels_last)
         micro = split_micro(inputs, targets, cfg.optim.accum)
         counted = measure_flops and not cfg.precision.compile  # a compiled graph hides its ops from FlopCounterMode
@@ -153,6 +156,7 @@ def _run_steps(cfg, ctx, hook, task, loader, ckpt, deadline, progress, peak, tra
             loss = hook.train_step(micro, loss_fn(task.loss))
         devices.synchronize(ctx.device)  # CUDA is asynchronous: time the work, not the launch
         progress.times.append(time.perf_counter() - t0)
+        progress.cpu_times.append(time.process_time() - c0)
         if local == FLOPS_STEP and measure_flops and cfg.precision.compile:  # outside the timed step
             progress.flops.append(metrics.uncompiled_step_flops(hook.model, [x for x, _ in micro]))
         tracer.after(local)
@@ -251,6 +255,7 @@ def _record(cfg, ctx, hook, task, progress, gathered, dataset_size, ckpt):
         activation_checkpointing=cfg.memory.checkpointing, channels_last=cfg.precision.channels_last,
         compile=cfg.precision.compile, data=cfg.run.data, seed=cfg.run.seed, dataset_size=dataset_size,
         steps_per_epoch=steps_per_epoch, epoch_time_s=steps_per_epoch * step_time,
+        cpu_step_time_s=[metrics.median_step_time(g["cpu_times"], skip, cfg.run.warmup_steps) for g in gathered],
         flops_per_step=flops, achieved_tflops=flops / step_time / 1e12 if step_time else 0.0,
         peak_tflops_per_device=peak_tf, resumed_from=progress.resumed_from, stopped=progress.stopped,
         checkpoint_save_s=ckpt.save_times, **_eval_summary(gathered), **_eval_summary(gathered, "eval_start"),

@@ -43,10 +43,10 @@ def run_many(runs: list, model: str, *, nproc: int = 2, out: str = "runs", strea
     with no runs the launch does only that, under a 'ddp' config of `model` and `options`.
     The time limit is the profile's per run unless `timeout_s` is given.
     """
-    from labkit import launch, parallel, rehearsal
+    from labkit import launch, parallel, rank_pool, rehearsal
     from labkit.train import stand_in
     from labkit.profiles import get_profile
-    from labkit.train.api import make_config, record_of, require_hardware
+    from labkit.train.api import make_config, process_group, record_of, require_hardware
 
     require_hardware(options.get("profile", "smoke"))  # one line before any launch, not a rank traceback
     configs = configs_for(runs, model, nproc=nproc, out=out, **options)
@@ -67,8 +67,8 @@ def run_many(runs: list, model: str, *, nproc: int = 2, out: str = "runs", strea
         return [record_of(cfg.run.out, cfg.run.run_id) for cfg in configs]
     limit = timeout_s or get_profile(first.run.profile).timeout_s * max(1, len(configs))
     heavy = any(cfg.run.strategy in launch.CPU_HEAVY_STRATEGIES for cfg in configs)
-    launch.run(ENTRY, args, nproc=nproc, timeout_s=limit, env=env, stream=stream,
-               threads=launch.cpu_threads(nproc, cpu_heavy=heavy))
+    rank_pool.run(ENTRY, args, nproc=nproc, timeout_s=limit, env=env, stream=stream,
+                  threads=first.launch.threads or launch.cpu_threads(nproc, cpu_heavy=heavy), group=process_group(first))
     return [record_of(cfg.run.out, cfg.run.run_id) for cfg in configs]
 
 
@@ -101,15 +101,11 @@ def train_all(configs: list, ctx, *, first=None, before: str = "", spec=None) ->
         free_device_memory(ctx.device, reset_peak=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Per-rank entry of `run_many`: one process group for all runs."""
+def parse_job(argv: list[str]):
+    """(profile, fn(ctx)) of one `run_many` launch: how warm ranks run it (labkit.rank_pool)."""
     import argparse
 
-    import torch.distributed as dist
-    from torch.distributed.elastic.multiprocessing.errors import record
-
     from labkit.train.config import TrainConfig
-    from labkit.train.worker import exit_now, init_distributed
 
     parser = argparse.ArgumentParser(prog=ENTRY, description="several training runs in one torchrun job")
     parser.add_argument("--first", required=True, help="resolved TrainConfig JSON: process group, hook")
@@ -119,12 +115,24 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     first = TrainConfig.from_json(args.first)
     configs = [TrainConfig.from_json(text) for text in json.loads(args.configs_json)]
+    return first.run.profile, lambda ctx: train_all(configs, ctx, first=first, before=args.before,
+                                                   spec=json.loads(args.before_json))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Per-rank entry of `run_many`: one process group for all runs."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from labkit.train.worker import exit_now, join_group
+
+    profile, fn = parse_job(argv)
 
     @record
     def run_all() -> None:
-        ctx = init_distributed(first)
+        ctx = join_group(profile)
         try:
-            train_all(configs, ctx, first=first, before=args.before, spec=json.loads(args.before_json))
+            fn(ctx)
         finally:
             dist.destroy_process_group()
 

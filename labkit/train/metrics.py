@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from labkit import device as devices
+from labkit.errors import ConfigError
 
 #: Dense peak TFLOPS per GPU (no 2:4 sparsity) by (name fragment, compute dtype), from the vendors' data
 #: sheets; the most specific fragment first (torch.cuda.get_device_name: "NVIDIA H100 PCIe",
@@ -179,11 +180,64 @@ def count_flops(into: list):
 
 
 def median_step_time(times: list[float], skip: set[int], warmup: int) -> float:
-    """Median of per-step wall times, without warm-up steps and steps that carried a measurement."""
+    """Median of per-step times (wall or CPU), without warm-up steps and steps that carried a measurement."""
     kept = [t for i, t in enumerate(times) if i >= warmup and i not in skip]
     if not kept:  # very short runs: everything but measured steps, else everything
         kept = [t for i, t in enumerate(times) if i not in skip] or times
     return statistics.median(kept) if kept else 0.0
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int):
+    """torch's intra-op threads set to `n` inside the block, restored after: `--threads N` for a run in
+    this process, as OMP_NUM_THREADS=N is for a launched rank, so a 1-rank run and the ranks of an N-rank
+    run compute with the same threads each (a scaling ladder that gave the 1-rank run both cores of a
+    2-core machine measured threads, not ranks)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(n)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------ scaling: wall clock and work
+#: A scaling efficiency above this is no parallel speed-up but a measurement artefact: the 1-rank
+#: run was slowed by something the N ranks were not (other processes on a shared CPU, a colder
+#: cache, more threads), or the smaller per-rank batch ran faster per sample (cache effects).
+EFFICIENCY_ARTEFACT = 1.05
+
+
+def cpu_share(record) -> list[float]:
+    """Per rank: CPU-seconds of a step / its wall-clock seconds (medians). About 1 for a rank that had
+    a core to itself (one intra-op thread; gloo's threads add a little); well below 1 when other
+    processes took the core (a shared machine), so the wall clock measured them too. [] if unknown."""
+    cpu = record.train.cpu_step_time_s if record.train else []
+    return [c / record.step_time_s for c in cpu] if cpu and record.step_time_s else []
+
+
+def cpu_seconds_per_sample(record) -> float | None:
+    """CPU-seconds all ranks together spent per training sample (medians of steady steps), or None
+    for a record without CPU times. Other processes do not change it, unlike the wall clock."""
+    cpu = record.train.cpu_step_time_s if record.train else []
+    return sum(cpu) / record.global_batch if cpu and record.global_batch else None
+
+
+def wall_efficiency(base, record) -> float:
+    """Speedup per rank on the wall clock: (samples/s of `record` / samples/s of `base`) / (ranks ratio)."""
+    if not base.samples_per_s:
+        raise ConfigError(f"the {base.strategy} run has samples_per_s={base.samples_per_s!r}; re-run it")
+    return record.samples_per_s / base.samples_per_s / (record.world_size / base.world_size)
+
+
+def work_efficiency(base, record) -> float | None:
+    """Share of the ranks' CPU work that was useful: CPU-seconds per sample of `base` (usually the
+    1-rank run) / those of `record`, all ranks summed. 1 = the N ranks together did exactly the
+    1-rank run's work; below 1 = communication, synchronization and smaller per-rank batches cost
+    extra. None without CPU times. On CPU it is the efficiency a shared machine measures reliably;
+    on a GPU the CPU mostly launches kernels and waits, so the wall clock is the measure there."""
+    a, b = cpu_seconds_per_sample(base), cpu_seconds_per_sample(record)
+    return a / b if a and b else None
 
 
 def peak_for(gpu_name: str, dtype: str, *, tf32: bool = False, fallback: float = 0.0) -> float:

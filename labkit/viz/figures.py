@@ -275,9 +275,13 @@ def schedule_events(table: list[PipeOp]) -> list[dict]:
     return [dict(stage=op.stage, kind=op.kind, mb=op.micro, t0=op.start, t1=op.end) for op in table]
 
 
-def pipeline_schedule(stages: int = 4, microbatches: int = 8, schedules=SCHEDULE_NAMES):
+def pipeline_schedule(stages: int = 4, microbatches: int = 8, schedules=SCHEDULE_NAMES, *, backward: float = 2.0,
+                      answer: bool = True):
     """The simulated schedules drawn by `labkit.viz.pipeline_schedule.plot_schedule`, the function notebook 07
-    uses for the MEASURED schedule, so lecture and lab show the same picture; titled with the bubble."""
+    uses for the MEASURED schedule, so lecture and lab show the same picture; titled with the bubble.
+    `backward`: a backward's length in forwards (1 = the one-slot grid of notebook 07's exercise, with a
+    line per slot); `answer=False` leaves the bubble and the held micro-batches out, for the exercise
+    that counts them."""
     import matplotlib.pyplot as plt
 
     from labkit.viz.pipeline_schedule import plot_schedule
@@ -286,18 +290,24 @@ def pipeline_schedule(stages: int = 4, microbatches: int = 8, schedules=SCHEDULE
     fig, axes = plt.subplots(len(schedules), 1, figsize=(11.0, 0.9 + 0.62 * stages * len(schedules)), squeeze=False)
     formula = comm.bubble_fraction(stages, microbatches)
     for a, name in zip(axes[:, 0], schedules):
-        table = pipeline_table(stages, microbatches, name)
+        table = pipeline_table(stages, microbatches, name, backward=backward)
         span = max(op.end for op in table)
-        plot_schedule(schedule_events(table), ax=a, title=(
-            f"{'GPipe' if name == 'gpipe' else '1F1B'}: p = {stages}, m = {microbatches}, bubble "
-            f"{table_bubble(table):.0%} = (p-1)/(m+p-1) = {formula:.0%}"))
+        title = f"{'GPipe' if name == 'gpipe' else '1F1B'}: p = {stages}, m = {microbatches}"
+        plot_schedule(schedule_events(table), ax=a, title=title + (
+            f", bubble {table_bubble(table):.0%} = (p-1)/(m+p-1) = {formula:.0%}" if answer else ""))
         a.get_legend().remove()  # the boxes say F0 / B0 themselves
-        for s in range(stages):
-            a.text(span * 1.01, s, f"holds {in_flight(table, s)}", va="center", fontsize=8)
-        a.set_xlim(0, span * 1.12)
+        if answer:
+            for s in range(stages):
+                a.text(span * 1.01, s, f"holds {in_flight(table, s)}", va="center", fontsize=8)
+        else:  # one column per time slot, to count
+            a.set_xticks(range(int(span) + 1))
+            a.grid(axis="x", color="#999999", lw=0.5)
+            a.set_axisbelow(True)
+        a.set_xlim(0, span * (1.12 if answer else 1.0))
         a.set_xlabel("")
-    axes[-1, 0].set_xlabel("time (one forward = 1, one backward = 2); white = bubble; holds = peak micro-batches "
-                           "of activations")
+    unit = "one forward = 1, one backward = 2" if backward == 2.0 else f"one forward = 1, one backward = {backward:g}"
+    axes[-1, 0].set_xlabel(f"time ({unit}); white = bubble" + ("; holds = peak micro-batches of activations"
+                                                                if answer else ""))
     fig.tight_layout()
     return fig
 

@@ -7,8 +7,9 @@ picture (Huang et al. 2019; Narayanan et al. 2021, Figs. 3-4): one row per stage
 right, white space = the bubble. The schedule model that reads the events lives in
 `labkit.parallel.comm` and is re-exported here for the notebooks: `measured_bubble` / `max_in_flight`
 read the idle share and the held activations off the events, `replay` re-times them with free
-communication. `text_schedule` gives the order as text, `plot_bubble` compares the measured bubble with
-(p - 1) / (m + p - 1).
+communication. `text_schedule` gives the order as text; `bubble_rows` puts each run's measured bubble
+beside the theory of equal stages, the uneven-stage model of its measured stage times and the replay,
+and `plot_bubble` draws them over the micro-batch counts.
 Introduced in notebook 07_model_parallel.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Sequence
 from labkit.errors import ConfigError
 from labkit.parallel.comm import bubble_fraction, events_of, max_in_flight, replay  # noqa: F401 (re-exported)
 from labkit.parallel.comm import stage_bubbles as measured_bubble  # noqa: F401 (re-exported)
+from labkit.parallel.comm import stage_times, uneven_bubble
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}  # W: weight-gradient half (zero bubble)
 
@@ -78,18 +80,51 @@ def plot_schedule(record_or_events, *, title: str | None = None, ax=None):
     return ax
 
 
+def bubble_rows(records) -> list[dict]:
+    """One row per pipeline RunRecord, from the bubble of the theory to the measured one:
+
+    - `stage_ms`: each stage's compute time per micro-batch, median over the steps after warm-up (the last
+      step's for a record without it): how uneven the stages are;
+    - `bubble_theory`: (p - 1) / (m + p - 1), equal stages and free communication;
+    - `bubble_uneven`: the same flush schedule with the measured stage times (`comm.uneven_bubble`);
+    - `bubble_free_comm`: the last step's measured operations re-timed with free messages (`replay`);
+    - `bubble_measured`: the median idle share over the steps after warm-up, messages included.
+    Bubbles are means over the stages."""
+    rows = []
+    for rec in records:
+        pipe, events = rec.pipeline, trace_of(rec)
+        times = list(pipe.stage_ms) or stage_times(events)
+        rows.append(dict(schedule=pipe.schedule, stages=pipe.pp, microbatches=pipe.microbatches,
+                         stage_ms=[round(t, 3) for t in times], bubble_theory=round(pipe.bubble_theory, 3),
+                         bubble_uneven=round(_mean(uneven_bubble(times, pipe.microbatches)), 3),
+                         bubble_free_comm=round(_mean(measured_bubble(replay(events))), 3),
+                         bubble_measured=round(pipe.bubble_measured, 3), max_in_flight=pipe.max_in_flight,
+                         peak_KiB=[round(b / 1024) for b in rec.peak_bytes]))
+    return rows
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
 def plot_bubble(rows: Sequence[dict], *, ax=None):
     """Measured vs theoretical bubble over micro-batch counts.
 
-    rows: dicts with 'schedule', 'microbatches', 'stages', 'bubble_measured' (one per run)."""
+    rows: dicts with 'schedule', 'microbatches', 'stages', 'bubble_measured' (one per run), and
+    optionally 'bubble_uneven' / 'bubble_free_comm' (`bubble_rows`), drawn as open markers."""
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 4))
-    for schedule in sorted({r["schedule"] for r in rows}):
+    for i, schedule in enumerate(sorted({r["schedule"] for r in rows})):
         mine = sorted((r for r in rows if r["schedule"] == schedule), key=lambda r: r["microbatches"])
-        ax.plot([r["microbatches"] for r in mine], [r["bubble_measured"] for r in mine], "o-",
-                label=f"{schedule} measured")
+        ms = [r["microbatches"] for r in mine]
+        ax.plot(ms, [r["bubble_measured"] for r in mine], "o-", color=f"C{i}", label=f"{schedule} measured")
+        for key, marker, what in (("bubble_free_comm", "s", "free communication"),
+                                  ("bubble_uneven", "^", "uneven-stage model")):
+            if all(key in r for r in mine):
+                ax.plot(ms, [r[key] for r in mine], marker, mfc="none", color=f"C{i}", linestyle=":",
+                        label=f"{schedule} {what}")
     stages = rows[0]["stages"] if rows else 2
     ms = sorted({r["microbatches"] for r in rows}) or [1]
     grid = range(1, max(ms) + 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from labkit.results import RunRecord
+from labkit.train import metrics
 
 #: NVIDIA Deep Learning Examples, ResNet-50 v1.5 training on DGX A100 (80 GB), PyTorch: 1 GPU with AMP
 #: 2470 img/s, with TF32 938 img/s; 8 GPUs with AMP train 6.72x faster than 1 GPU. The 8-GPU point
@@ -61,14 +62,55 @@ def scaling_kind(runs: Sequence[RunRecord]) -> str:
 
 
 def scaling_rows(runs: Sequence[RunRecord]) -> list[dict]:
-    """Speedup and scaling efficiency (speedup / ranks) against the 1-rank run, per world size."""
+    """Per world size against the 1-rank run: wall-clock speedup and efficiency (speedup / ranks), the
+    median step in ms, and from the ranks' CPU times `cpu_ms` (CPU-ms of a step, all ranks summed) and
+    `cpu_share` (the least-served rank's CPU time / wall time: below ~0.8 other processes took its core)."""
     base = min(runs, key=lambda r: r.world_size)
     kind = scaling_kind(runs)
-    return [{"ranks": r.world_size, "strategy": r.strategy, "samples_per_s": round(r.samples_per_s, 1),
-             "per_rank_batch": r.global_batch // r.world_size, "scaling": kind,
-             "speedup": round(r.samples_per_s / base.samples_per_s, 3),
-             "efficiency": round(r.samples_per_s / base.samples_per_s / (r.world_size / base.world_size), 3)}
-            for r in sorted(runs, key=lambda r: r.world_size)]
+    rows = []
+    for r in sorted(runs, key=lambda r: r.world_size):
+        cpu, share = (r.train.cpu_step_time_s if r.train else []), metrics.cpu_share(r)
+        rows.append({"ranks": r.world_size, "strategy": r.strategy, "samples_per_s": round(r.samples_per_s, 1),
+                     "per_rank_batch": r.global_batch // r.world_size, "scaling": kind,
+                     "step_ms": round(r.step_time_s * 1e3, 1), "cpu_ms": round(sum(cpu) * 1e3, 1) if cpu else None,
+                     "cpu_share": round(min(share), 2) if share else None,
+                     "speedup": round(r.samples_per_s / base.samples_per_s, 3),
+                     "efficiency": round(metrics.wall_efficiency(base, r), 3)})
+    return rows
+
+
+def scaling_notes(runs: Sequence[RunRecord]) -> list[str]:
+    """What the scaling table cannot say by itself, one line each: an efficiency above 1 flagged with
+    its likely cause (from the CPU times: contention or cache), and ranks that did not have a core."""
+    base = min(runs, key=lambda r: r.world_size)
+    notes = []
+    for r in sorted(runs, key=lambda r: r.world_size):
+        share = metrics.cpu_share(r)
+        if share and min(share) < 0.8:
+            who = "the rank" if r.world_size == 1 else "a rank"
+            notes.append(f"{r.world_size} rank(s): {who} computed only {min(share):.0%} of its wall-clock time -- "
+                         f"other processes shared the CPU, and the wall clock measured them too; cpu_ms (CPU "
+                         f"time) counts only what the ranks computed")
+        if r is base:
+            continue
+        eff = metrics.wall_efficiency(base, r)
+        if eff > metrics.EFFICIENCY_ARTEFACT:
+            notes.append(f"{r.world_size} ranks: efficiency {eff:.2f} > 1 is no faster-than-ideal DDP but an artefact: "
+                         + _artefact_cause(base, r))
+    return notes
+
+
+def _artefact_cause(base: RunRecord, r: RunRecord) -> str:
+    b_share, r_share = metrics.cpu_share(base), metrics.cpu_share(r)
+    if b_share and r_share and min(b_share) < 0.85 * min(r_share):
+        return (f"CPU contention -- the 1-rank run computed {min(b_share):.0%} of its time, the {r.world_size} ranks "
+                f"{min(r_share):.0%}: other processes slowed the baseline more than the ranks")
+    b_cpu, r_cpu = metrics.cpu_seconds_per_sample(base), metrics.cpu_seconds_per_sample(r)
+    if b_cpu and r_cpu and r_cpu < b_cpu:
+        return (f"cache effects -- a sample cost {r_cpu * 1e3:.2f} CPU-ms on {r.world_size} ranks vs {b_cpu * 1e3:.2f} "
+                f"on 1: the smaller per-rank batch ran faster per sample")
+    return ("the 1-rank run was slowed by something the ranks were not (another process, a colder start); "
+            "measure again on an idle machine")
 
 
 def scaling_labels(runs: Sequence[RunRecord],
@@ -93,6 +135,10 @@ def scaling_chart(runs: Sequence[RunRecord], *, reference: Mapping[str, float] =
     ax.plot([1, top], [1, top], "--", color="gray", label="ideal (efficiency 1)")
     mine, theirs = scaling_labels(runs, reference)
     ax.plot(ranks, [row["speedup"] for row in rows], "o-", label=mine)
+    odd = [row for row in rows if row["efficiency"] > metrics.EFFICIENCY_ARTEFACT]
+    if odd:  # above the ideal line: a measurement artefact, flagged on the figure itself
+        ax.plot([row["ranks"] for row in odd], [row["speedup"] for row in odd], "x", color="tab:red", ms=12,
+                mew=2.5, label="above ideal: an artefact (CPU contention or cache), see the notes")
     ax.plot([1, 8], [1, reference["amp_8gpu_speedup"]], "s:", color="tab:green", label=theirs)
     ax.set(xlabel="ranks", ylabel="speedup over 1 rank", title="DDP scaling (compare like with like: strong vs weak)")
     ax.legend(fontsize=8)

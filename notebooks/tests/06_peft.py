@@ -1,6 +1,10 @@
 """Visible tests of notebook 06's exercises (lora_linear, absmax_quantize_4bit); in-process, no spawn."""
 from labkit.course.exercises import case
 
+#: LEGACY: these exercises' tests still run in the student's process; port them to `student.call /
+#: run / spawn` (docs/grading.md, "Porting a legacy exercise") and remove their names here.
+LEGACY = {"lora_linear", "absmax_quantize_4bit"}
+
 
 def _with_peft(base, r, alpha):
     """peft's LoRA on the same Linear (a one-layer model: peft targets modules by name)."""

@@ -1,14 +1,20 @@
 """Test cases of the code exercises: the `@case` decorator, loading test files, running cases.
 
 A test file (`notebooks/tests/NN_x.py` visible, `notebooks/tests/hidden/NN_x.py` hidden) holds functions
-decorated with `@case("<exercise id>", points=N)`; each receives the student's function and fails by
-raising. Hidden files may declare `MUTANTS = {"<id>": [(fragment, replacement), ...]}` (see the suite's
-mutation test). Files are loaded as fresh modules that are NOT registered in `sys.modules`, so cloudpickle
-ships their helper functions to spawned ranks by value. docs/grading.md ("For authors") explains the pattern.
+decorated with `@case("<exercise id>", points=N)`; each receives a `Student` (labkit.course.exercises.student:
+`student.call`, `student.run`, `student.spawn`) and fails by raising. The hidden file also declares
+`MUTANTS = {"<id>": [(fragment, replacement), (fragment, replacement, "fix words"), ...]}` (a 3-tuple is a
+VISIBLE mutant: a visible test must fail on it with a message containing the fix words) and
+`VARIES = {"<id>": "what the hidden tests vary"}` (shown by `ex.check` and `labkit check`).
+Files are loaded as fresh modules that are NOT registered in `sys.modules`, so cloudpickle ships their
+harness functions to the student's side by value. docs/grading.md ("For authors") explains the pattern.
+
+LEGACY (to be removed when the last lab is ported): a test file may list exercises in
+`LEGACY = {"<id>", ...}`; their cases still receive the student's function itself and run in the student's
+process (labkit.course.exercises.runner), where student code can forge their outcome.
 """
 from __future__ import annotations
 
-import traceback
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +24,10 @@ from labkit.errors import LabkitError
 
 #: Attribute the decorator sets on a test function.
 _CASE_ATTR = "__labkit_case__"
+#: The only outcomes of a test.
+STATUSES = ("pass", "fail", "not attempted")
+#: Characters kept of a test's message.
+MESSAGE_CHARS = 500
 
 
 class ExerciseError(LabkitError, RuntimeError):
@@ -48,6 +58,8 @@ class Case:
     """The test: `fn(student_function)`; raises to fail."""
     hidden: bool = False
     """Loaded from a hidden test file: its message, inputs and expected values are never shown."""
+    legacy: bool = False
+    """Old style (the file's LEGACY lists the exercise): `fn` takes the student's function and runs beside it."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,11 @@ class CaseResult:
     status: str
     """"pass", "fail" or "not attempted"."""
     message: str = ""
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"case status {self.status!r}; one of {STATUSES}")
+        object.__setattr__(self, "message", str(self.message)[:MESSAGE_CHARS])
 
     @property
     def passed(self) -> bool:
@@ -108,53 +125,38 @@ def load_cases_from_text(text: str, file_name: str, *, hidden: bool) -> list[Cas
 
 
 def _cases(module: types.ModuleType, hidden: bool) -> list[Case]:
+    legacy = set(getattr(module, "LEGACY", ()))
     cases = []
     for name, obj in vars(module).items():
         mark = getattr(obj, _CASE_ATTR, None)
         if callable(obj) and mark is not None:
-            cases.append(Case(exercise=mark[0], name=name, points=mark[1], fn=obj, hidden=hidden))
+            cases.append(Case(exercise=mark[0], name=name, points=mark[1], fn=obj, hidden=hidden,
+                              legacy=mark[0] in legacy))
     return cases
 
 
-def load_mutants(path: str | Path) -> dict[str, list[tuple[str, str]]]:
-    """The MUTANTS dict of a hidden test file ({} when it declares none)."""
-    return dict(getattr(load_module(path), "MUTANTS", {}))
+@dataclass(frozen=True)
+class Mutant:
+    """A classic mistake: `fragment` of the solution replaced by `replacement`. With `fix`, a VISIBLE test
+    must fail on it, with `fix` in its message (the words that name the fix); without, any test may."""
+
+    fragment: str
+    replacement: str
+    fix: str | None = None
+
+    @property
+    def visible(self) -> bool:
+        return self.fix is not None
 
 
-def _is_stub(exc: BaseException) -> bool:
-    return isinstance(exc, NotImplementedError) or (isinstance(exc, ExerciseError) and exc.not_attempted)
+def load_mutants(path: str | Path) -> dict[str, list[Mutant]]:
+    """The MUTANTS of a hidden test file ({} when it declares none)."""
+    out = {}
+    for exercise, entries in dict(getattr(load_module(path), "MUTANTS", {})).items():
+        out[exercise] = [Mutant(*entry) for entry in entries]
+    return out
 
 
-def run_case(case_: Case, fn: Callable) -> CaseResult:
-    """Run one case on `fn`: pass, fail (with the error as message) or not attempted (the stub raised)."""
-    try:
-        case_.fn(fn)
-    except Exception as exc:  # noqa: BLE001 - any error of student code fails the case
-        if _is_stub(exc):
-            return CaseResult(case_, "not attempted", str(exc))
-        if isinstance(exc, AssertionError):
-            message = str(exc) or _last_frame(exc)
-        else:
-            message = f"{type(exc).__name__}: {exc}"
-        return CaseResult(case_, "fail", message)
-    return CaseResult(case_, "pass")
-
-
-def _last_frame(exc: BaseException) -> str:
-    """'assert failed at line N: <source>' for a bare assert."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return "assertion failed"
-    last = frames[-1]
-    return f"assertion failed at {Path(last.filename).name}:{last.lineno}: {last.line}"
-
-
-def run_cases(fn: Callable, cases: list[Case]) -> list[CaseResult]:
-    """Run `cases` on `fn`; once the stub answers NotImplementedError, the rest are not attempted too."""
-    results = []
-    for case_ in cases:
-        if results and results[-1].status == "not attempted":
-            results.append(CaseResult(case_, "not attempted", results[-1].message))
-            continue
-        results.append(run_case(case_, fn))
-    return results
+def load_varies(path: str | Path) -> dict[str, str]:
+    """The VARIES of a hidden test file: what its tests of each exercise vary, in one line each."""
+    return {str(k): str(v) for k, v in dict(getattr(load_module(path), "VARIES", {})).items()}

@@ -1,18 +1,21 @@
 """Grade the code exercises of one notebook: its exercise cells against the visible (and hidden) tests.
 
-One process per exercise (labkit.course.exercises.runner), sandboxed when `isolation` is given (`labkit grade`),
-plain with a timeout otherwise (`labkit check` on a student's own machine). Each test becomes a `CheckResult`
-named "<exercise>: <test>" with its points (partial credit per test); a hidden test is `visible=False`, so
-feedback shows its name and pass/fail only. An exercise whose process hangs, crashes or prints past the cap
-gets 0 on every test and a reason; the other exercises still run.
+Per exercise, one process runs the student's cell (sandboxed when `isolation` is given: `labkit grade`; plain
+with a timeout for `labkit check` on a student's own machine) and the tests run in THIS process, the grader's
+(labkit.course.exercises.judge). Each test becomes a `CheckResult` named "<exercise>: <test>" with its points
+from the grader's own plan (partial credit per test); a hidden test is `visible=False`, so feedback shows its
+name and pass/fail only. An exercise whose process hangs, crashes or prints past the cap fails the tests it
+had not finished, with a reason; the other exercises still run. Exercises a test file still lists in LEGACY
+take the legacy in-process runner (labkit.course.exercises.runner) until their lab is ported.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit.course.exercises.cases import load_cases
-from labkit.course.exercises.runner import OK, run_exercise, payload_of
+from labkit.course.exercises.cases import STATUSES, Case, CaseResult, load_cases
+from labkit.course.exercises.judge import VariantResult, judge
+from labkit.course.exercises.runner import OK, payload_of, run_exercise
 from labkit.course.exercises.source import exercise_cells
 from labkit.course.grading.checks import CheckResult
 
@@ -62,16 +65,25 @@ class ExerciseGrade:
 
 @dataclass(frozen=True)
 class Plan:
-    """The test files of one notebook and the exercises they test, in file order."""
+    """The test files of one notebook and the exercises they test, in file order: the grader's own record of
+    every test's name, points and visibility (nothing a student's process reports changes them)."""
 
     visible: tuple[Path, ...]
     hidden: tuple[Path, ...]
     exercises: tuple[str, ...]
     points: dict
+    legacy: frozenset = frozenset()
+    """LEGACY (remove with the runner): exercises whose tests still run in the student's process."""
 
     @property
     def max_score(self) -> float:
         return float(sum(self.points.values()))
+
+    def cases(self, exercise: str) -> list[Case]:
+        """The cases of `exercise`, visible then hidden, from freshly loaded modules (no state shared between
+        submissions)."""
+        return [c for p in self.visible + self.hidden for c in load_cases(p, hidden=p in self.hidden)
+                if c.exercise == exercise]
 
 
 def plan_for(notebook: str, visible_dir: Path | None, hidden_dir: Path | None = None) -> Plan:
@@ -79,30 +91,76 @@ def plan_for(notebook: str, visible_dir: Path | None, hidden_dir: Path | None = 
                        for d in (visible_dir, hidden_dir))
     exercises: list[str] = []
     points: dict[str, float] = {}
+    legacy: set[str] = set()
     for path in visible + hidden:
         for case in load_cases(path, hidden=path in hidden):
             if case.exercise not in exercises:
                 exercises.append(case.exercise)
             points[case.exercise] = points.get(case.exercise, 0.0) + case.points
-    return Plan(visible, hidden, tuple(exercises), points)
+            if case.legacy:
+                legacy.add(case.exercise)
+    return Plan(visible, hidden, tuple(exercises), points, frozenset(legacy))
 
 
-def _results(exercise: str, plan: Plan, variant: dict) -> tuple[str, str, tuple[CheckResult, ...]]:
+def run_variants(exercise: str, sources: list[str], plan: Plan, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 memory_bytes: int = 8 * 2**30, output_bytes: int = 50 * 2**20, isolation=None, private: tuple = (),
+                 kernel: str = "labkit", reveal_hidden: bool = False) -> list[VariantResult]:
+    """Every case of `exercise` on each source variant (the submitted cell; in CI the solution and its mutants).
+    A legacy exercise's hidden messages come back only with `reveal_hidden`."""
+    cases = plan.cases(exercise)
+    options = dict(timeout_s=timeout_s, memory_bytes=memory_bytes, output_bytes=output_bytes, isolation=isolation,
+                   private=private, kernel=kernel)
+    if exercise not in plan.legacy:
+        return judge(exercise, sources, cases, **options)
+    tests = payload_of(plan.visible, False) + payload_of(plan.hidden, True)
+    run = run_exercise(exercise, sources, tests, reveal_hidden=reveal_hidden, **options)
+    if run.status != OK or len(run.variants) != len(sources):
+        reason = run.reason or "the exercise's process reported the wrong number of variants"
+        return [VariantResult(tuple(CaseResult(c, "fail", reason) for c in cases), reason, "process")] * len(sources)
+    return [legacy_results(cases, variant) for variant in run.variants]
+
+
+def legacy_results(cases: list[Case], variant) -> VariantResult:
+    """LEGACY: the plan's cases with the statuses a student's process reported, by test name. Names, points
+    and visibility are the plan's; a status is pass / fail / not attempted or it is a fail."""
+    if type(variant) is not dict:
+        variant = {"error": "the exercise's process wrote an unreadable report"}
     if "error" in variant:
-        return "fail", variant["error"], ()
+        error = str(variant["error"])[:300]
+        return VariantResult(tuple(CaseResult(c, "fail", error) for c in cases), error, "cell")
+    rows = variant.get("results")
+    reported = {r["name"]: r for r in (rows if type(rows) is list else [])
+                if type(r) is dict and type(r.get("name")) is str}
+    out = []
+    for c in cases:
+        row = reported.get(c.name, {})
+        status = row.get("status") if row.get("status") in STATUSES else "fail"
+        message = "" if status == "pass" else str(row.get("message", "") if row else "no result reported")
+        out.append(CaseResult(c, status, message))
+    return VariantResult(tuple(out))
+
+
+def _check_results(exercise: str, variant: VariantResult, reveal_hidden: bool) -> tuple[str, str, tuple]:
+    """(status, reason, CheckResults) of one exercise from its VariantResult."""
     out, statuses = [], []
-    for r in variant["results"]:
-        passed, status = r["status"] == "pass", r["status"]
-        statuses.append(status)
+    for r in variant.results:
+        passed = r.status == "pass"
+        statuses.append(r.status)
         if passed:
             message = "passes"
-        elif status == "not attempted":
+        elif r.status == "not attempted":
             message = "not attempted: replace the NotImplementedError in the exercise cell with your code"
         else:
-            message = r["message"] or "fails"
-        out.append(CheckResult(f"{exercise}: {r['name']}", r["points"], r["points"] if passed else 0.0, passed,
-                               not r["hidden"], message))
-    if all(s == "not attempted" for s in statuses):
+            message = r.message or "fails"
+        if r.case.hidden and not reveal_hidden and not passed:
+            message = ""
+        out.append(CheckResult(f"{exercise}: {r.case.name}", r.case.points, r.case.points if passed else 0.0,
+                               passed, not r.case.hidden, message))
+    if variant.kind == "process":
+        return "error", variant.error, tuple(out)
+    if variant.kind == "cell":
+        return "fail", variant.error, tuple(out)
+    if statuses and all(s == "not attempted" for s in statuses):
         return "not attempted", "not attempted", tuple(out)
     npass = statuses.count("pass")
     status = "pass" if npass == len(statuses) else "partial" if npass else "fail"
@@ -110,13 +168,12 @@ def _results(exercise: str, plan: Plan, variant: dict) -> tuple[str, str, tuple[
     return status, ("failing: " + ", ".join(failing)) if failing else "", tuple(out)
 
 
-def _zero(exercise: str, plan: Plan, status: str, reason: str) -> ExerciseGrade:
-    """Every test of `exercise` failed for one reason (no cell, a hang, a crash, the output cap)."""
-    cases = [(c, p in plan.hidden) for p in plan.visible + plan.hidden for c in load_cases(p, hidden=p in plan.hidden)
-             if c.exercise == exercise]
-    return ExerciseGrade(exercise, status, reason, tuple(
-        CheckResult(f"{exercise}: {c.name}", c.points, 0.0, False, not hidden, "" if hidden else reason)
-        for c, hidden in cases))
+def _missing(exercise: str, plan: Plan) -> ExerciseGrade:
+    reason = (f"no exercise cell defines {exercise}; restore the cell that starts with `# EXERCISE {exercise}` "
+              "from the course notebook")
+    return ExerciseGrade(exercise, "missing", reason, tuple(
+        CheckResult(f"{exercise}: {c.name}", c.points, 0.0, False, not c.hidden, "" if c.hidden else reason)
+        for c in plan.cases(exercise)))
 
 
 def grade_exercises(nb, notebook: str, plan: Plan, *, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -124,22 +181,15 @@ def grade_exercises(nb, notebook: str, plan: Plan, *, timeout_s: float = DEFAULT
                     private: tuple = (), kernel: str = "labkit", reveal_hidden: bool = False) -> list[ExerciseGrade]:
     """Run every exercise of `plan` on the cells of `nb`; one ExerciseGrade each, never raises for student code."""
     cells = exercise_cells(nb)
-    tests = payload_of(plan.visible, False) + payload_of(plan.hidden, True)
     grades = []
     for exercise in plan.exercises:
         if exercise not in cells:
-            grades.append(_zero(exercise, plan, "missing", f"no exercise cell defines {exercise}; restore the "
-                                f"cell that starts with `# EXERCISE {exercise}` from the course notebook"))
+            grades.append(_missing(exercise, plan))
             continue
-        run = run_exercise(exercise, [cells[exercise]], tests, timeout_s=timeout_s, memory_bytes=memory_bytes,
-                           output_bytes=output_bytes, isolation=isolation, private=private, kernel=kernel,
-                           reveal_hidden=reveal_hidden)
-        if run.status != OK:
-            grades.append(_zero(exercise, plan, "error", run.reason))
-            continue
-        status, reason, results = _results(exercise, plan, run.variants[0])
-        grades.append(ExerciseGrade(exercise, status, reason, results) if results else
-                      _zero(exercise, plan, status, reason))
+        variant = run_variants(exercise, [cells[exercise]], plan, timeout_s=timeout_s, memory_bytes=memory_bytes,
+                               output_bytes=output_bytes, isolation=isolation, private=private, kernel=kernel,
+                               reveal_hidden=reveal_hidden)[0]
+        grades.append(ExerciseGrade(exercise, *_check_results(exercise, variant, reveal_hidden)))
     return grades
 
 

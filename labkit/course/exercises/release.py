@@ -1,7 +1,8 @@
 """`labkit assign`: the student release of the course notebooks, and the autograder folder.
 
 DIR/notebooks/*.ipynb: every solution region stubbed (labkit.course.exercises.source), outputs and execution
-metadata cleared; DIR/notebooks/tests/*.py: the visible tests (what `ex.check` runs in the notebook);
+metadata cleared; DIR/notebooks/tests/*.py: the visible tests (what `ex.check` runs in the notebook), with
+DIR/notebooks/tests/NN_x.hidden.json: how many hidden tests each exercise has and what they vary;
 DIR/notebooks/<anything else the notebooks folder holds>; DIR/autograder/*.py: the hidden tests, with the
 visible ones again in DIR/autograder/visible/ (pass DIR/autograder to `labkit grade --autograder`).
 Every notebook is validated before anything is written: bad markers are one MarkerError naming the cell.
@@ -12,6 +13,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from labkit.course.exercises.hidden import write_manifest
 from labkit.course.exercises.source import exercise_id, stub
 from labkit.errors import GradingError
 
@@ -81,6 +83,8 @@ def make_release(out_dir: str | Path, source_dir: str | Path = "notebooks") -> R
         folder.mkdir(parents=True, exist_ok=True)
         for f in files:
             shutil.copy2(f, folder / f.name)
+    for f in hidden:  # how many hidden tests and what they vary, never their content (`ex.check` says so)
+        write_manifest(f, out / "notebooks" / "tests")
     exercises = tuple(ex for nb in released.values() for c in nb.cells if (ex := exercise_id(c)))
     return Release(tuple(out / "notebooks" / p.name for p in paths), exercises,
                    tuple(out / "notebooks" / "tests" / f.name for f in visible),

@@ -101,15 +101,18 @@ def cell_ran(name: str, points: float, *, tag: str | None = None, key: str | Non
 def answer_close(name: str, points: float, key: str, reference: Number, *, rtol: float = 0.05,
                  atol: float = 0.0, visible: bool = True) -> Check:
     """answer(key) is within atol + rtol*|reference|; `reference` may be a function of the evidence
-    (computed by labkit at grading time, e.g. `labkit.memory.estimate` for the profile's model)."""
+    (computed by labkit at grading time, e.g. `labkit.memory.estimate` for the profile's model).
+    A visible check never prints the reference (`labkit check` would hand out the answer); a hidden
+    one's message, which only the instructor sees, does."""
     def fn(ev: Evidence) -> Outcome:
         got = _number(ev.answer(key), f"answer {key!r}")
         ref = _value(reference, ev)
         ok = abs(got - ref) <= atol + rtol * abs(ref)
         rel = f"within {rtol:.0%}" if atol == 0 else f"within {rtol:.0%} + {atol:g}"
         if ok:
-            return True, f"answer {key!r} = {got:g} is {rel} of the reference {ref:g}"
-        return False, f"answer {key!r} = {got:g} is not {rel} of the reference {ref:g}; recheck the calculation"
+            return True, f"answer {key!r} = {got:g} is {rel} of labkit's value"
+        shown = "" if visible else f" {ref:g}"
+        return False, f"answer {key!r} = {got:g} is not {rel} of labkit's value{shown}; recheck the calculation"
     return Check(name, points, fn, "answer_close", visible, (("answer", key),))
 
 

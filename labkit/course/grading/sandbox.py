@@ -45,6 +45,9 @@ _POLL_S = 0.25
 _ENV_KEEP = ("PATH", "LANG", "LANGUAGE", "TZ", "PYTHONPATH", "VIRTUAL_ENV", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
              "TORCH_EXTENSIONS_DIR", "CUDA_VISIBLE_DEVICES", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 _ENV_PREFIXES = ("LC_", "LABKIT_")
+#: Set in an executed notebook: its `ex.check` cells then leave the code tests to the grader, which runs them
+#: on the submitted cells in its own process (a notebook's own tests/ folder is not in the sandbox).
+GRADED_RUN_ENV = "LABKIT_GRADED_RUN"
 
 
 @dataclass(frozen=True)
@@ -184,7 +187,7 @@ def execute(src: str | os.PathLike, dst: str | os.PathLike, *, workdir: str | os
         argv += ["--report-fd", str(report.fileno())]
         proc = subprocess.Popen(iso_mod.command(iso, view, argv), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=stdin, pass_fds=(report.fileno(),), start_new_session=True,
-                                env=scratch_env(scratch, kernel), cwd=workdir)
+                                env={**scratch_env(scratch, kernel), GRADED_RUN_ENV: "1"}, cwd=workdir)
         killed = _watch(proc, report_path, limits)
     if killed == OUTPUT_CAP:
         return Execution(OUTPUT_CAP, _cap_detail(limits.output_bytes), None, iso)

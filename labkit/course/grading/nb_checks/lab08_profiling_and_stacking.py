@@ -2,7 +2,7 @@
 
 Reading the traces and fixing an OOM are code exercises (`top_bottleneck`, `peak_cause`, `fix_oom`;
 tests in notebooks/tests/08_profiling_and_stacking.py and its hidden twin), which replaced the questions
-that copied a printed value (8.1: the summary's bottleneck; 8.3: the playbook's last lever). Here: the
+that copied a printed value (the summary's bottleneck, the playbook's last lever). Here: the
 runs, the all-gathers per FSDP unit, and the NF4 shard fractions against the student's own recorded
 `fsdp-qlora` run and FSDP's 1/world-size rule.
 """
@@ -32,7 +32,7 @@ CHECKS = (
     relation("fsdp keeps fewer parameter bytes per rank than ddp (traced runs)", 1,
              bytes_below("param", "fsdp_traced", "ddp_traced"), reads=(("run", "fsdp_traced"), ("run", "ddp_traced"))),
     relation("fsdp-qlora trains the adapters only", 1, _adapters_only, reads=(("run", "fsdp_qlora"),)),
-    answer_equals("8.2 all-gathers per FSDP unit per step", 2, "08.allgathers_per_unit_per_step", 2),
-    answer_close("8.4a NF4 bytes on rank 0, as a fraction", 1, "08.nf4_fraction_rank0", nf4_rank0, rtol=0.02),
-    answer_close("8.4b the same on 4 GPUs", 1, "08.nf4_fraction_4gpus", 0.25, rtol=0.02, visible=False),
+    answer_equals("8.1 all-gathers per FSDP unit per step", 2, "08.allgathers_per_unit_per_step", 2),
+    answer_close("8.2a NF4 bytes on rank 0, as a fraction", 1, "08.nf4_fraction_rank0", nf4_rank0, rtol=0.02),
+    answer_close("8.2b the same on 4 GPUs", 1, "08.nf4_fraction_4gpus", 0.25, rtol=0.02, visible=False),
 )

@@ -1,0 +1,65 @@
+"""What a student may know of the hidden tests: how many per exercise, their points, what they vary (issue #30).
+
+The hidden file's authors write `VARIES = {"<id>": "other rank counts and shapes"}`. In the source tree
+`ex.check` and `labkit check` read it from `tests/hidden/NN_x.py`; a release (`labkit assign`) has no hidden
+file beside the notebook, only `tests/NN_x.hidden.json`, written from it. Never their names or content.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class HiddenInfo:
+    tests: int
+    points: float
+    varies: str = ""
+
+    def line(self) -> str:
+        what = f": they vary {self.varies}" if self.varies else ""
+        plural = "s" if self.tests != 1 else ""
+        return f"+ {self.tests} hidden test{plural} ({self.points:g} pts) when your instructor grades{what}"
+
+
+def manifest_path(tests_dir: Path, notebook: str) -> Path:
+    return Path(tests_dir) / f"{notebook}.hidden.json"
+
+
+def from_hidden_file(path: Path) -> dict[str, HiddenInfo]:
+    """{exercise: HiddenInfo} of a hidden test file."""
+    from labkit.course.exercises.cases import load_cases, load_varies
+
+    cases = load_cases(path, hidden=True)
+    varies = load_varies(path)
+    out: dict[str, HiddenInfo] = {}
+    for exercise in dict.fromkeys(c.exercise for c in cases):
+        mine = [c for c in cases if c.exercise == exercise]
+        out[exercise] = HiddenInfo(len(mine), sum(c.points for c in mine), varies.get(exercise, ""))
+    return out
+
+
+def write_manifest(hidden_file: Path, tests_dir: Path) -> Path:
+    """`tests_dir/NN_x.hidden.json` from the hidden file `NN_x.py` (for a release)."""
+    path = manifest_path(tests_dir, Path(hidden_file).stem)
+    path.write_text(json.dumps({k: asdict(v) for k, v in from_hidden_file(Path(hidden_file)).items()}, indent=1))
+    return path
+
+
+def hidden_info(notebook: str, tests_dir: Path | None) -> dict[str, HiddenInfo]:
+    """What the visible tests folder `tests_dir` tells of `notebook`'s hidden tests ({} when nothing)."""
+    if tests_dir is None:
+        return {}
+    source = Path(tests_dir) / "hidden" / f"{notebook}.py"
+    if source.is_file():
+        return from_hidden_file(source)
+    manifest = manifest_path(Path(tests_dir), notebook)
+    if not manifest.is_file():
+        return {}
+    try:
+        data = json.loads(manifest.read_text())
+        return {str(k): HiddenInfo(int(v["tests"]), float(v["points"]), str(v.get("varies", "")))
+                for k, v in data.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return {}

@@ -1,0 +1,104 @@
+"""Start the process where a student's exercise code runs: sandboxed for `labkit grade`, plain for `labkit check`.
+
+`launch(module, work, ...)` runs `python -m <module> SCRATCH MEMORY <extra>` inside the grading sandbox
+(labkit.course.grading.isolation: read-only file system, private scratch, no network, own PID namespace)
+when an isolation is given; whatever the process prints goes to a pipe an `OutputTap` counts (past the cap
+the caller kills the tree). Used by the judge (labkit.course.exercises.judge) and the legacy runner.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class OutputTap:
+    """Counts the bytes a process prints and keeps the last few thousand."""
+
+    cap: int
+    bytes: int = 0
+    tail: bytes = b""
+    over: bool = False
+    _thread: threading.Thread | None = field(default=None, repr=False)
+
+    def start(self, pipe) -> "OutputTap":
+        self._thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
+        self._thread.start()
+        return self
+
+    def _read(self, pipe) -> None:
+        while True:
+            chunk = pipe.read(65536)
+            if not chunk:
+                break
+            self.bytes += len(chunk)
+            self.tail = (self.tail + chunk)[-4000:]
+            if self.bytes > self.cap:
+                self.over = True
+        pipe.close()
+
+    def join(self, timeout: float = 5.0) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+
+    def last_lines(self, n: int = 3, chars: int = 300) -> str:
+        lines = self.tail.decode(errors="replace").strip().splitlines()[-n:]
+        return " | ".join(lines)[-chars:]
+
+
+@dataclass
+class Launched:
+    proc: subprocess.Popen
+    output: OutputTap
+
+
+def launch(module: str, work: Path, *, extra: list[str], pass_fds: tuple[int, ...], memory_bytes: int,
+           output_bytes: int, isolation=None, private: tuple = (), kernel: str = "labkit",
+           scratch_bytes: int = 512 * 2**20, stdin=subprocess.DEVNULL) -> Launched:
+    """Start `python -m module SCRATCH MEMORY *extra` in `work` (see the module docstring)."""
+    from labkit.course.grading import isolation as iso_mod
+    from labkit.course.grading.sandbox import scratch_env
+
+    work = work.resolve()
+    scratch = work if isolation is not None and isolation.level == iso_mod.BUBBLEWRAP else work / "scratch"
+    scratch.mkdir(exist_ok=True)
+    argv = [sys.executable, "-m", module, str(scratch), str(memory_bytes), *extra]
+    if isolation is None:
+        cmd, env = argv, {**os.environ, "PYTHONPATH": iso_mod.labkit_path()}
+    else:
+        view = iso_mod.View(scratch, scratch_bytes, private=tuple(private), masked=iso_mod.default_masked(),
+                            needed=iso_mod.runtime_paths(kernel))
+        cmd, env = iso_mod.command(isolation, view, argv), scratch_env(scratch, kernel)
+        env["MPLBACKEND"] = "Agg"
+    proc = subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=pass_fds,
+                            start_new_session=True, env=env, cwd=work)
+    return Launched(proc, OutputTap(output_bytes).start(proc.stdout))
+
+
+def child_args(argv: list[str], prog: str, fd_option: str):
+    """In the started process: parse `SCRATCH MEMORY --<fd_option> N`, keep the descriptor from its children,
+    make the scratch's homes and caches, move there and cap the memory (RLIMIT_AS, inherited by ranks)."""
+    import argparse
+
+    from labkit.course.grading.sandbox import _apply_limits
+
+    parser = argparse.ArgumentParser(prog=f"python -m {prog}")
+    parser.add_argument("scratch", type=Path)
+    parser.add_argument("memory", type=int)
+    parser.add_argument(fd_option, type=int, required=True, dest="fd")
+    args = parser.parse_args(argv)
+    os.set_inheritable(args.fd, False)
+    for name in ("home", "tmp", "cache", "config", "mpl", "ipython", "runtime"):
+        (args.scratch / name).mkdir(parents=True, exist_ok=True)
+    os.chdir(args.scratch)
+    _apply_limits(args.memory, 2**30)
+    return args
+
+
+def exit_reason(proc: subprocess.Popen) -> str:
+    code = proc.returncode
+    return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"

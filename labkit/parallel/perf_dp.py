@@ -1,0 +1,123 @@
+"""Data-parallel communication of one step, layer by layer, and how much of it the compute hides.
+
+Pure Python, no torch. Bytes come from `labkit.parallel.comm` (ring collectives); this module decides WHICH
+collectives run, HOW OFTEN, over WHICH link, and WHAT compute can hide them (Rajbhandari et al. 2020, ZeRO
+Sec. 7; Zhao et al. 2023, FSDP Sec. 3):
+
+  stage            per layer and micro-batch (S = the layer's bf16 parameter bytes on this GPU)
+  DDP (zero 0)     one all-reduce of the gradients per step, bucketed behind the last micro-batch's backward
+  ZeRO-1           one reduce-scatter per step (behind the last backward) + one all-gather of the updated
+                   parameters (prefetched behind the first micro-batch's forward)
+  ZeRO-2           a reduce-scatter every micro-batch (the gradients stay sharded) + ZeRO-1's all-gather;
+                   Llama 3's FSDP "without reshard after forward" (Dubey et al. 2024 Sec. 3.3.2)
+  ZeRO-3 / FSDP    every micro-batch: an all-gather before the forward, another before the backward, a
+                   reduce-scatter after it; DeepSpeed ZeRO-3 gathers once more for a fully recomputed forward,
+                   torch FSDP recomputes inside the backward's unshard (`Layout.fsdp`)
+  HSDP             ZeRO-3 inside a shard group + an all-reduce of each gradient shard across the replicas
+
+Overlap: a layer's collective runs while the neighbouring layer computes (prefetch, bucketed reduce), so per
+layer only max(0, comm - compute) is exposed, plus the first layer's gather that nothing precedes, plus the
+share (1 - overlap efficiency) of the overlapped time that contention for SMs and HBM takes back. The
+per-GPU micro-batch shrinks as dp grows at a fixed global batch, so the same bytes meet less compute.
+`dp_overlap=False` (Megatron-LM before 2023) exposes the once-per-step collectives entirely.
+
+Link: the slowest of the group. A group inside one node runs on NVLink; a group that spans nodes runs at the
+inter-node bandwidth PER GPU (its ring crosses a NIC at every node boundary). Ranks are placed in
+Megatron-LM's order (tp, cp fastest, then dp, then pp), so dp members share a node when tp x cp < GPUs per
+node. NCCL can stripe one ring over all of a node's NICs and beat this for groups with many members per
+node; the published ZeRO-3 runs (Narayanan et al. 2021 Table 2) scale like the per-GPU NIC, and that is
+what the model assumes. Introduced in notebook 07_model_parallel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from labkit.parallel import comm
+from labkit.parallel import hardware
+from labkit.parallel.hardware import comm_efficiency
+
+
+@dataclass(frozen=True)
+class DpTime:
+    """Data-parallel traffic of one step on one GPU."""
+
+    bytes: float
+    """Bytes this GPU sends for data parallelism per step."""
+    seconds: float
+    """Time the collectives take on their link."""
+    exposed: float
+    """Seconds of it the compute does not hide."""
+
+
+def members_per_node(tp: int, cp: int, dp: int, gpus_per_node: int) -> int:
+    """DP ranks of one group sharing a node (Megatron order: tp, cp innermost, then dp)."""
+    return max(1, min(dp, gpus_per_node // (tp * cp)))
+
+
+def link_bandwidth(gpu, group: int, per_node: int, inter_node_gbps: float) -> float:
+    """Bus bandwidth (B/s) of a ring over `group` ranks, `per_node` of them on each node."""
+    if group <= 1:
+        return float("inf")
+    if group <= per_node:
+        return gpu.nvlink_gbs * 1e9 * comm_efficiency("nvlink")
+    return inter_node_gbps / 8 * 1e9 * comm_efficiency("network")
+
+
+def exposed_behind(comm_s: float, compute_s: float) -> float:
+    """Seconds a collective adds to the compute it overlaps: what sticks out, plus the share of the overlap
+    that contention takes back (`overlap_efficiency`)."""
+    return max(0.0, comm_s - compute_s) + (1 - hardware.CONSTANTS["overlap_efficiency"]) * min(comm_s, compute_s)
+
+
+def dp_time(lay, *, gpu, layers: int, params_on_gpu: float, fwd_s: float, bwd_s: float, gpus_per_node: int,
+            inter_node_gbps: float) -> DpTime:
+    """Per-layer DP collectives of `lay` (a `perf_model.Layout`) and the part the compute cannot hide.
+
+    `fwd_s` / `bwd_s`: compute seconds of ONE micro-batch's forward / backward (recomputation included) on
+    this stage; `params_on_gpu`: parameters this GPU holds before ZeRO (its tp x pp share)."""
+    d = lay.dp * lay.cp  # cp ranks hold replicas too: they reduce gradients with the dp ranks
+    if d == 1:
+        return DpTime(0.0, 0.0, 0.0)
+    per_node = members_per_node(lay.tp, 1, lay.dp, gpus_per_node) * lay.cp
+    m, layer_bytes = lay.microbatches, 2 * params_on_gpu / layers  # bf16 weights and gradients
+    f, b = fwd_s / layers, bwd_s / layers
+    shard = min(lay.shard_group or d, d) if lay.zero else d
+    bw = link_bandwidth(gpu, shard, per_node, inter_node_gbps)
+    grad_bytes = layer_bytes * (2 if lay.reduce_fp32 else 1)  # torchtitan's FSDP reduces gradients in fp32
+    ag = comm.bytes_sent("all_gather", layer_bytes, shard)
+    rs = comm.bytes_sent("reduce_scatter", grad_bytes, shard)
+    gather, scatter = ag / bw, rs / bw
+    if lay.zero == 3:
+        regather = lay.checkpointing == "full" and not lay.fsdp  # DeepSpeed re-gathers for the recompute
+        n_gather = 3 if regather else 2
+        per_mb = layers * (exposed_behind(gather, f) + exposed_behind((n_gather - 1) * gather + scatter, b)) + gather
+        exposed, seconds = m * per_mb, m * layers * (n_gather * gather + scatter)
+        sent = m * layers * (n_gather * ag + rs)
+    else:
+        exposed, seconds = _stage012(lay, m, layers, gather, scatter, f, b)
+        sent = layers * {0: 2 * rs, 1: rs + ag, 2: m * rs + ag}[lay.zero]  # all-reduce = reduce-scatter + gather
+    if lay.zero and shard < d:  # HSDP: all-reduce each gradient shard across the d / shard replicas, once
+        replicas = d // shard
+        cross = link_bandwidth(gpu, replicas, 1, inter_node_gbps)
+        ar = comm.bytes_sent("all_reduce", grad_bytes / shard, replicas)
+        seconds += layers * ar / cross
+        exposed += layers * exposed_behind(ar / cross, b) if lay.dp_overlap else layers * ar / cross
+        sent += layers * ar
+    return DpTime(sent, seconds, exposed)
+
+
+def _stage012(lay, m: int, layers: int, gather: float, scatter: float, f: float, b: float) -> tuple[float, float]:
+    """(exposed, total) seconds of DDP / ZeRO-1 / ZeRO-2 traffic per step."""
+    if lay.zero == 0:
+        total = layers * 2 * scatter  # all-reduce = reduce-scatter + all-gather
+        return (layers * exposed_behind(2 * scatter, b) if lay.dp_overlap else total), total
+    param_gather = layers * gather  # updated parameters, once per step
+    if lay.zero == 1:
+        total = layers * scatter + param_gather
+        if not lay.dp_overlap:
+            return total, total
+        return layers * (exposed_behind(scatter, b) + exposed_behind(gather, f)) + gather, total
+    total = m * layers * scatter + param_gather  # ZeRO-2: the gradients are reduced every micro-batch
+    if not lay.dp_overlap:
+        return total, total
+    return m * layers * exposed_behind(scatter, b) + layers * exposed_behind(gather, f) + gather, total
