@@ -21,7 +21,7 @@ from labkit.train.metrics import free_device_memory
 MiB = 2 ** 20
 #: A rehearsal's probe steps at most this micro-batch on its stand-in model (the node's allocator is
 #: simulated from the estimator at the probed size; labkit.rehearsal).
-REHEARSAL_BATCH = 8
+REHEARSAL_BATCH = 2  # two samples: BatchNorm trains on no fewer
 #: Probe cap: large enough that a ResNet-50 on an 80 GB GPU runs out of memory first (doubling makes
 #: the cap cost one probe per factor of 2, and the first failure ends the growth).
 DEFAULT_LIMIT = 1 << 16

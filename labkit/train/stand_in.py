@@ -23,7 +23,7 @@ from labkit.errors import ConfigError, LaunchError, RehearsalError
 _BOOKKEEPING = {"out", "run_id", "progress", "data", "seed", "steps", "deadline", "deadline_margin_s",
                 "workers", "eval_batches", "eval_at_start", "warmup_steps", "trace_steps", "trace_with",
                 "checkpoint_every", "resume", "profile", "strategy", "model", "nnodes", "node_rank",
-                "rdzv_endpoint", "find_max_batch", "memory_budget_mb"}
+                "rdzv_endpoint", "find_max_batch", "memory_budget_mb", "threads"}
 
 
 # ------------------------------------------------------------------------------------ sizing
