@@ -178,6 +178,47 @@ def test_a_stand_in_keeps_strategy_ranks_and_precision_and_shrinks_the_rest(rehe
     assert sum(p.numel() for p in resnet.parameters()) < 5_000_000
 
 
+def test_deepspeed_fp16_runs_bf16_on_the_stand_in_and_the_record_says_so(rehearsing, monkeypatch):
+    from deepspeed.accelerator import get_accelerator
+
+    from labkit.parallel.zero import ds_config, stand_in_precision
+
+    cfg = _cfg("zero2", "tinyllama-1.1b", "v100x4")
+    assert cfg.precision.amp == "fp16"
+    config = ds_config(cfg, 2, False, dp=4, hidden=2048, numel=10**9)
+    assert stand_in_precision(config, "zero2") == (config, "")  # not standing in: the node's config as it is
+    devices.for_rank(get_profile("v100x4"), 0)
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: False)  # this CPU: no oneDNN fp16
+    runs, note = stand_in_precision(config, "zero2")
+    assert (runs["fp16"]["enabled"], runs["bf16"]["enabled"], config["fp16"]["enabled"]) == (False, True, True)
+    assert "zero2 ran bf16 in place of the node's fp16" in note
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)
+    assert stand_in_precision(config, "zero2") == (config, "")  # fp16 where the CPU has it
+
+
+@pytest.mark.parametrize("profile", REHEARSED + ("a100x1",))
+def test_every_lab_run_of_the_manifest_fits_its_node_by_the_estimator(profile):
+    """The runs the notebooks make on `profile` (observed by rehearsing them) at their real size: each fits
+    the profile's headroom and GPU count, except a lesson's deliberate out-of-memory run (04's DDP)."""
+    from labkit.train.config import from_dict
+
+    prof, checked = get_profile(profile), 0
+    for row in rehearse.manifest_rows(profile):
+        cfg = from_dict({"strategy": row["strategy"], "model": row["model"], "profile": profile,
+                         **row["options"]}).resolve()
+        verdict = stand_in.size(cfg, prof)
+        assert verdict["gpus_ok"], (row["lab"], row["label"], stand_in.describe(cfg))
+        if not row.get("may_oom"):
+            assert verdict["fits"], (row["lab"], row["label"], stand_in.describe(cfg), verdict)
+            checked += verdict["bytes"] is not None
+    assert checked >= 10
+    if profile == "v100x4":  # 7B under FSDP: its sharded fp32 state alone is over a 32 GB V100's headroom
+        labels = {(r["lab"], r["strategy"], r["model"]) for r in rehearse.manifest_rows(profile)}
+        assert ("04_fsdp", "fsdp-offload", "llama2-7b") in labels and ("04_fsdp", "fsdp", "llama2-7b") not in labels
+        seven_b = _cfg("fsdp", "llama2-7b", "v100x4", nproc=4, batch=4, seq_len=512, checkpointing=True)
+        assert not stand_in.size(seven_b, prof)["fits"]
+
+
 def test_spawn_on_a_gpu_profile_refuses_more_ranks_than_the_node_has_gpus():
     from labkit.course.exercises import ExerciseError, spawn
 
