@@ -143,6 +143,16 @@ def test_a_run_asking_for_gpus_the_node_lacks_fails_in_one_line(rehearsing):  # 
         stand_in.check_launch(_cfg("pipeline-gpipe", "tinyllama-1.1b", "a100x1", nproc=2))
 
 
+def test_a_run_on_another_profile_than_the_notebooks_fails_the_rehearsal(rehearsing, monkeypatch):
+    # 08's run_many without profile=PROFILE trained the smoke profile on every GPU node (found by rehearsing)
+    monkeypatch.setenv(rehearsal.PROFILE_ENV, "a100x4")
+    with pytest.raises(RehearsalError, match="trains on profile 'smoke', not the notebook's 'a100x4'.*profile=PROFILE"):
+        stand_in.check_launch(_cfg("ddp", "tiny-llama", "smoke", nproc=2))
+    stand_in.check_launch(_cfg("ddp", "tinyllama-1.1b", "a100x4", nproc=4))
+    monkeypatch.setenv(rehearsal.PROFILE_ENV, "smoke")  # a CPU notebook may train what it likes
+    stand_in.check_launch(_cfg("ddp", "tiny-llama", "smoke-bf16", nproc=2))
+
+
 def test_a_run_that_does_not_fit_is_the_nodes_cuda_oom(rehearsing):
     from labkit.course.profile_check import single_levers
 

@@ -224,7 +224,7 @@ def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: st
     if rehearse:
         from labkit.course import rehearse as rehearsal_log
         log = out.with_suffix(".rehearsal.jsonl")
-        env.update(rehearsal_log.environment(log))
+        env.update(rehearsal_log.environment(log, profile))
     start, cpu_start = time.perf_counter(), _children_cpu()
     try:
         with _environ(**env):

@@ -28,15 +28,17 @@ MANIFEST = Path(__file__).resolve().parents[1] / "data" / "lab_runs.json"
 RUN_SOURCES = ("run",)
 
 
-def environment(log: str | os.PathLike) -> dict[str, str]:
-    """The environment of a rehearsing kernel (and of every rank it starts) logging to `log` (emptied)."""
+def environment(log: str | os.PathLike, profile: str | None = None) -> dict[str, str]:
+    """The environment of a rehearsing kernel (and of every rank it starts) logging to `log` (emptied);
+    `profile`: the notebook's PROFILE, which every run it makes must train on."""
     from labkit import rehearsal
 
     log = Path(log)
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("", encoding="utf-8")
     # DeepSpeed picks its accelerator at import: the CPU's, as on a CPU profile.
-    return {rehearsal.REHEARSE_ENV: "1", rehearsal.LOG_ENV: str(log.resolve()), "DS_ACCELERATOR": "cpu"}
+    return {rehearsal.REHEARSE_ENV: "1", rehearsal.LOG_ENV: str(log.resolve()), "DS_ACCELERATOR": "cpu",
+            **({rehearsal.PROFILE_ENV: profile} if profile else {})}
 
 
 def read(log: str | os.PathLike) -> list[dict[str, Any]]:

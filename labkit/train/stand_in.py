@@ -76,6 +76,10 @@ def check_launch(cfg, *, via: str = "run", launched: bool = False) -> None:
                      fix=fix(cfg), note=verdict["note"])
     rehearsal.banner(profile)
     what = describe(cfg)
+    given = rehearsal.notebook_profile()
+    if given and given != profile.name and get_profile(given).device == "cuda":
+        raise RehearsalError(f"rehearsal {given}: run {what} trains on profile {profile.name!r}, not the notebook's "
+                             f"{given!r} (on the node it would not train what the lab says); fix: pass profile=PROFILE")
     if not verdict["gpus_ok"]:
         raise RehearsalError(f"rehearsal {profile.name}: run {what} asks for {cfg.world_size} GPUs, the node has "
                              f"{profile.nproc}; fix: use nproc=profile.nproc, or run this part on a profile with "
