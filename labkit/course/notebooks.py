@@ -71,7 +71,8 @@ class NotebookRun:
         """One line naming the notebook, and for a failure the cell, the error and the executed copy."""
         kind = f"rehearsal {self.profile} " if self.rehearsal_log else ""
         if self.ok:
-            return f"{self.name}: {kind}ok in {self.seconds:.1f} s"
+            cpu = f" ({self.cpu_seconds:.1f} CPU s)" if self.cpu_seconds is not None else ""
+            return f"{self.name}: {kind}ok in {self.seconds:.1f} s{cpu}"
         where = "before any cell ran" if self.cell is None else f"at cell {self.cell}" + (
             f" (In [{self.exec_count}])" if self.exec_count is not None else "")
         copy = f"executed copy with the traceback: {self.output}" if self.output.exists() else "no executed copy"
