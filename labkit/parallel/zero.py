@@ -213,8 +213,11 @@ class ZeroStrategy(Strategy):
         if self.ctx.is_main:
             self.config_path = write_config(self.config, self.cfg.run.out, self.name)
         runs, self.stand_in_note = stand_in_precision(self.config, self.name)
-        if self.stand_in_note and self.ctx.is_main:
-            print(self.stand_in_note)
+        if self.stand_in_note:
+            from labkit.train import levers
+            self.precision = levers.Precision("bf16", self.ctx.device)  # evaluation's autocast matches the engine
+            if self.ctx.is_main:
+                print(self.stand_in_note)
         self.engine, self.ds_optimizer = apply_zero(model, self.ctx.group, cfg=self.cfg, config=runs)
         # The loop sees the engine as the model and the torch optimizer DeepSpeed steps on the flat fp32
         # partitions as the optimizer (a real torch Optimizer, so memory tracking can follow it).
