@@ -147,8 +147,11 @@ def test_a_run_on_another_profile_than_the_notebooks_fails_the_rehearsal(rehears
     # 08's run_many without profile=PROFILE trained the smoke profile on every GPU node (found by rehearsing)
     monkeypatch.setenv(rehearsal.PROFILE_ENV, "a100x4")
     with pytest.raises(RehearsalError, match="trains on profile 'smoke', not the notebook's 'a100x4'.*profile=PROFILE"):
-        stand_in.check_launch(_cfg("ddp", "tiny-llama", "smoke", nproc=2))
+        stand_in.check_launch(_cfg("ddp", "tiny-llama", "smoke", nproc=2), profile_given=False)
     stand_in.check_launch(_cfg("ddp", "tinyllama-1.1b", "a100x4", nproc=4))
+    stand_in.check_launch(_cfg("ddp", "tiny-llama", "smoke", nproc=2))  # asked for: 09's CPU ranks on one GPU
+    with pytest.raises(RehearsalError, match="trains on profile 'v100x4'"):
+        stand_in.check_launch(_cfg("ddp", "tinyllama-1.1b", "v100x4", nproc=4))
     monkeypatch.setenv(rehearsal.PROFILE_ENV, "smoke")  # a CPU notebook may train what it likes
     stand_in.check_launch(_cfg("ddp", "tiny-llama", "smoke-bf16", nproc=2))
 
