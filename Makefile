@@ -91,7 +91,7 @@ smoke: venv
 
 # The week before class, on any machine: every notebook as PROFILE's node runs it, on CPU (docs/gpu-node.md).
 PROFILE ?= a100x4
-rehearse: venv
+rehearse: venv ds-ops
 	$(BIN)/labkit notebooks run --profile $(PROFILE) --rehearse --out $(BUILD)/rehearsed/$(PROFILE)
 
 bench: venv
