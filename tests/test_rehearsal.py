@@ -215,9 +215,10 @@ def test_every_lab_run_of_the_manifest_fits_its_node_by_the_estimator(profile):
     the profile's headroom and GPU count, except a lesson's deliberate out-of-memory run (04's DDP)."""
     from labkit.train.config import from_dict
 
-    prof, checked = get_profile(profile), 0
-    for row in rehearse.manifest_rows(profile):
-        cfg = from_dict({"strategy": row["strategy"], "model": row["model"], "profile": profile,
+    checked = 0
+    for row in rehearse.manifest_rows(profile):  # a run a lesson puts on smoke's CPU ranks names its profile
+        prof = get_profile(row.get("profile", profile))
+        cfg = from_dict({"strategy": row["strategy"], "model": row["model"], "profile": prof.name,
                          **row["options"]}).resolve()
         verdict = stand_in.size(cfg, prof)
         assert verdict["gpus_ok"], (row["lab"], row["label"], stand_in.describe(cfg))
@@ -229,7 +230,7 @@ def test_every_lab_run_of_the_manifest_fits_its_node_by_the_estimator(profile):
         labels = {(r["lab"], r["strategy"], r["model"]) for r in rehearse.manifest_rows(profile)}
         assert ("04_fsdp", "fsdp-offload", "llama2-7b") in labels and ("04_fsdp", "fsdp", "llama2-7b") not in labels
         seven_b = _cfg("fsdp", "llama2-7b", "v100x4", nproc=4, batch=4, seq_len=512, checkpointing=True)
-        assert not stand_in.size(seven_b, prof)["fits"]
+        assert not stand_in.size(seven_b, get_profile("v100x4"))["fits"]
 
 
 def test_spawn_on_a_gpu_profile_refuses_more_ranks_than_the_node_has_gpus():
@@ -379,6 +380,10 @@ def test_the_manifest_holds_every_rehearsed_profile_and_lab_runs_reads_it():
         assert runs and all(len(r) == 5 and r[4]["nproc"] >= 1 for r in runs)
     v100 = {(lab, label) for lab, label, *_ in pc.lab_runs(get_profile("v100x4"))}
     assert ("09_beyond_3d", "single") in v100  # lab 09's dense run, which the hand-kept list missed
+    for one_gpu in ("h100x1", "a100x1"):  # 09's multi-rank runs go to smoke's CPU ranks: not the GPU's runs
+        multi = [r for r in rehearse.manifest_rows(one_gpu) if r["options"]["nproc"] > 1]
+        assert multi and {(r["lab"], r.get("profile")) for r in multi} == {("09_beyond_3d", "smoke")}
+        assert all(r[4]["nproc"] == 1 for r in pc.lab_runs(get_profile(one_gpu)))
     with pytest.raises(Exception, match="rehearse its notebooks once"):
         rehearse.manifest_rows("t4x9")
 
