@@ -127,17 +127,24 @@ def options_of(cfg) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ the stand-in
+#: Steps a stand-in run traces at most (the node's run traces its `trace_steps`).
+TRACED_STEPS = 1
+
+
 def stand_in(cfg):
     """The config a rehearsal executes for `cfg`: same strategy, ranks, options and precision; STEPS steps
-    (more when a trace window needs them), short sequences, small images, one held-out batch and the
+    (more when a trace window needs them; TRACED_STEPS of them traced), short sequences, small images, one held-out batch and the
     smallest global batch that splits the same way (data-parallel ranks x accumulation x pipeline
     micro-batches). `cfg` itself outside a rehearsal."""
     if not rehearsal.active():
         return cfg
     from labkit.profiling.profiler import FIRST_TRACED
 
-    steps = max(rehearsal.STEPS, FIRST_TRACED + cfg.profiling.trace_steps if cfg.profiling.trace_steps else 0)
-    small = cfg.replace(steps=min(cfg.run.steps, steps) if cfg.run.steps else steps, workers=0,
+    # One traced step runs every line of a trace window (start, step marks, stop, export, summary): a second
+    # one only doubles the profiler's most expensive part on a CPU (08's traced runs were most of its rehearsal).
+    traced = min(cfg.profiling.trace_steps, TRACED_STEPS)
+    steps = max(rehearsal.STEPS, FIRST_TRACED + traced if traced else 0)
+    small = cfg.replace(steps=min(cfg.run.steps, steps) if cfg.run.steps else steps, workers=0, trace_steps=traced,
                         seq_len=min(cfg.run.seq_len or rehearsal.SEQ_LEN, rehearsal.SEQ_LEN),
                         image_size=min(cfg.run.image_size or rehearsal.IMAGE_SIZE, rehearsal.IMAGE_SIZE),
                         eval_batches=min(cfg.run.eval_batches, 1))
