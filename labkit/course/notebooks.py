@@ -140,8 +140,9 @@ def find_notebooks(names: Sequence[str] | None = None, notebook_dir: str | os.Pa
 
 # ---------------------------------------------------------------- running
 @contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    """Set environment variables for the kernel papermill starts (it inherits ours), then restore."""
+def environ(**values: str) -> Iterator[None]:
+    """Set environment variables (for the kernel papermill starts: it inherits ours; for a rehearsal's
+    in-process rank), then restore them."""
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:
@@ -228,7 +229,7 @@ def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: st
         env.update(rehearsal_log.environment(log, profile))
     start, cpu_start = time.perf_counter(), _children_cpu()
     try:
-        with _environ(**env):
+        with environ(**env):
             papermill.execute_notebook(str(src), str(out), parameters=params, kernel_name=kernel,
                                        cwd=str(src.parent), progress_bar=False,
                                        execution_timeout=timeout_s)

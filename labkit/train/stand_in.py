@@ -11,7 +11,6 @@ the estimator. Outside a rehearsal every function here does nothing.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from typing import Any
 
@@ -218,18 +217,11 @@ def _format(exc: BaseException) -> str:
 @contextlib.contextmanager
 def rank_environment(rank: int, world: int, env: dict):
     """What torchrun puts in a rank's environment (DeepSpeed reads it), restored afterwards."""
-    values = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "DS_ACCELERATOR": "cpu", **env}
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
+    from labkit.course.notebooks import environ
+
+    with environ(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", DS_ACCELERATOR="cpu", **env):
         yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
 
 
 def teardown() -> None:
