@@ -162,7 +162,14 @@ def exec_count() -> int | None:
     from IPython import get_ipython
 
     shell = get_ipython()
-    return getattr(shell, "execution_count", None) if shell is not None else None
+    if shell is None:
+        return None
+    # `In` holds every input so far, this cell's last: its index is the cell's In[N]. The shell's
+    # execution_count is not: this IPython has already counted the running cell (In[3] reads 4).
+    inputs = getattr(shell, "user_ns", {}).get("In")
+    if isinstance(inputs, list) and inputs:
+        return len(inputs) - 1
+    return getattr(shell, "execution_count", None)
 
 
 def note_key(run_id: str, key: str) -> None:

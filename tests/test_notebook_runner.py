@@ -108,6 +108,16 @@ def test_missing_kernel_fails_before_any_cell_and_keeps_the_copy(nbdir, tmp_path
     assert run.output.is_file() and "before any cell ran" in run.describe()
 
 
+def test_an_output_folder_that_is_the_notebooks_own_is_refused_and_the_notebook_kept(nbdir):
+    """The executed copy is written over `out_dir/<name>.ipynb` (an earlier copy is deleted first): with the
+    notebook's own folder that would be the student's notebook (seen: a test lost its notebook so)."""
+    path = nbdir / "10_pass.ipynb"
+    before = path.read_bytes()
+    with pytest.raises(ConfigError, match="choose another output folder"):
+        nbk.run_notebook(path, out_dir=nbdir)
+    assert path.read_bytes() == before
+
+
 def test_unknown_profile_or_contradicting_parameter_fails_before_running(nbdir, tmp_path):
     with pytest.raises(ConfigError, match="valid profiles are"):
         nbk.run_notebooks(["10_pass"], profile="a100x9", notebook_dir=nbdir, out_dir=tmp_path)

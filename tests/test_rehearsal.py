@@ -274,7 +274,7 @@ def test_a_gpu_only_cell_that_raises_fails_the_rehearsal_in_one_line(tmp_path):
         "rec = run('ddp', profile.llm_model, profile=PROFILE, nproc=profile.nproc, steps=3, out='runs', stream=False)\n"
         "R.show(rec, key='ddp')\nR.answer('x', 1)",
         "if GPU:\n    raise RuntimeError('a line only the node runs')",
-    ])
+    ], metadata={"labkit": {"notebook": "gpu_bug"}})  # a course notebook, so grading gets past its identity
     path = tmp_path / "gpu_bug.ipynb"
     nbformat.write(nb, path)
     smoke = nbk.run_notebook(path, profile="smoke", out_dir=tmp_path / "smoke", rehearse=True)
@@ -287,7 +287,9 @@ def test_a_gpu_only_cell_that_raises_fails_the_rehearsal_in_one_line(tmp_path):
     assert tamper.rehearsed(executed) == "cell 4: run 'ddp'"  # grading refuses a rehearsal's results
     grade = evaluate.grade_notebook(executed, "gpu_bug", [])
     assert grade.status == evaluate.REHEARSAL and grade.score == 0
-    record = [o for o in executed.cells[3].outputs if "application/vnd.labkit+json" in o.get("data", {})][0]
+    shown = [o for c in executed.cells if c.cell_type == "code" for o in c.outputs
+             if "application/vnd.labkit+json" in o.get("data", {})]
+    record = next(o for o in shown if "record" in o["data"]["application/vnd.labkit+json"])
     assert record["data"]["application/vnd.labkit+json"]["record"]["rehearsal"] is True
     assert "[rehearsal, not a measurement]" in record["data"]["text/plain"]
 
@@ -304,7 +306,7 @@ def test_a_run_that_must_fit_fails_the_rehearsal_even_when_the_notebook_catches_
     ])
     path = tmp_path / "oom.ipynb"
     nbformat.write(nb, path)
-    run = nbk.run_notebook(path, profile="a100x4", out_dir=tmp_path, rehearse=True)
+    run = nbk.run_notebook(path, profile="a100x4", out_dir=tmp_path / "a100x4", rehearse=True)
     line = run.describe()
     assert not run.ok and run.cell == 3 and "\n" not in line
     assert "run lora llama2-7b x1" in line and "out of memory on the node" in line and "fix:" in line

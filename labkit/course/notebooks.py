@@ -218,6 +218,9 @@ def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: st
         raise ConfigError(f"parameters PROFILE={params['PROFILE']!r} contradicts profile={profile!r}; "
                           "choose the profile with `profile` only")
     out = Path(out_dir).resolve() / src.name
+    if out == src:
+        raise ConfigError(f"the executed copy of {src.name} would replace the notebook itself in {src.parent}: "
+                          "choose another output folder (--out build/executed)")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)  # a copy left by an earlier run must not pass for this run's
     fail: dict[str, Any] = {}
