@@ -56,6 +56,15 @@ def test_rank_r_uses_cuda_r_and_a_rank_the_node_lacks_fails_as_on_the_node(rehea
     assert [json.loads(line)["event"] for line in rehearsing.read_text().splitlines()] == ["set_device"]
 
 
+def test_a_bare_cuda_device_is_the_current_one(rehearsing):
+    # torch.device("cuda") on a node is the current device (cuda:0 unless a rank set its own)
+    assert devices.resolve("cuda") == torch.device("cpu")
+    assert devices.calls("set_device")[-1]["device"] == "cuda:0"
+    devices.for_rank(get_profile("a100x4"), 2)
+    devices.resolve("cuda")
+    assert devices.calls("set_device")[-1]["device"] == "cuda:2"
+
+
 def test_outside_a_rehearsal_cpu_is_cpu():
     assert not devices.standing_in() and not devices.is_gpu("cpu") and devices.is_gpu("cuda:0")
     assert devices.for_rank(get_profile("smoke"), 1) == torch.device("cpu")
