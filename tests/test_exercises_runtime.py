@@ -141,6 +141,12 @@ def _rank_fails(rank, world):
     dist.barrier()  # rank 0 would wait here forever: spawn must kill it
 
 
+def _already_imported(rank, world, name):
+    import sys
+
+    return name in sys.modules
+
+
 def _rank_count(rank, world):
     import torch
     import torch.distributed as dist
@@ -227,6 +233,14 @@ def test_warm_ranks_are_forks_of_one_process_and_behave_like_fresh_ones():
             ex.spawn(_rank_hangs, world=2, timeout=4)
         assert [p.pid for p in live_children()] == \
             [forkserver[0].pid]  # every rank is gone; only the forkserver waits for the next spawn
+        # A spawn that names heavy imports gets ranks forked from a forkserver that imported them (started
+        # anew: the old one had not); a module that does not import is skipped; later spawns keep them.
+        assert ex.spawn(_already_imported, world=2, args=("xml.dom.minidom",)) == [False, False]
+        assert ex.spawn(_already_imported, world=2, args=("xml.dom.minidom",),
+                        imports=("xml.dom.minidom", "no_such_module_for_labkit")) == [True, True]
+        assert ex.spawn(_already_imported, world=2, args=("xml.dom.minidom",)) == [True, True]
+        again = [p for p in live_children() if "forkserver" in " ".join(p.cmdline())]
+        assert len(again) == 1 and again[0].pid != forkserver[0].pid, live_children()
     assert spawn_module._WARM is None and live_children() == []
 
 
