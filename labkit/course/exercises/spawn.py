@@ -35,8 +35,9 @@ _POLL_S = 0.05
 #: Characters of a rank's captured output relayed to the caller.
 _OUTPUT_CHARS = 20_000
 _ENTRY = "labkit.course.exercises._rank"
-#: What a warm ranks' forkserver imports before it forks any rank.
-_PRELOAD = ("torch", "torch.distributed", "cloudpickle", _ENTRY)
+#: What a warm ranks' forkserver imports before it forks any rank. torch._dynamo: every torch.optim optimizer
+#: imports it when it is built (1.8 s of CPU a rank; 0.2 s of it come back as a costlier fork).
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "cloudpickle", _ENTRY)
 
 
 def _child_env(rank: int, world: int, port: int) -> dict[str, str]:
