@@ -196,8 +196,13 @@ def test_spawn_kills_a_hung_run_at_the_timeout():
 
 @pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_spawn_starts_again_on_a_new_port_when_its_port_was_taken(monkeypatch):
-    """free_port() can lose its port to another job before rank 0 binds it: spawn tries a new one."""
+    """free_port() can lose its port to another job before rank 0 binds it: spawn tries a new one. Ranks
+    forked from warm_ranks()' forkserver (4 fresh interpreters importing torch cost twice as much); the
+    retry is `spawn`'s own, the same for fresh ranks (their start is tested above)."""
     import socket
+    import sys
+
+    warm_ranks = sys.modules["labkit.course.exercises.spawn"].warm_ranks
 
     from labkit import launch
 
@@ -208,7 +213,8 @@ def test_spawn_starts_again_on_a_new_port_when_its_port_was_taken(monkeypatch):
     real = launch.free_port
     monkeypatch.setattr(launch, "free_port", lambda *a: ports.pop(0) if ports else real(*a))
     try:
-        assert ex.spawn(_rank_count, world=2) == [2, 2]
+        with warm_ranks():
+            assert ex.spawn(_rank_count, world=2) == [2, 2]
     finally:
         taken.close()
     assert ports == [] and live_children() == []
