@@ -23,9 +23,9 @@ DEFAULT_TIMEOUT_S = 300.0
 
 def source_tests_dir() -> Path:
     """notebooks/tests of the source tree this labkit was imported from (it may not exist: an installed wheel)."""
-    import labkit
+    from labkit.course import source_tree
 
-    return Path(labkit.__file__).resolve().parents[1] / "notebooks" / "tests"
+    return source_tree() / "notebooks" / "tests"
 
 
 def visible_dir_of(autograder: Path) -> Path:

@@ -34,9 +34,9 @@ STAMP = ".labkit-site"
 
 
 def repo_root() -> Path:
-    import labkit
+    from labkit.course import source_tree
 
-    return Path(labkit.__file__).resolve().parents[1]
+    return source_tree()
 
 
 @dataclass(frozen=True)
