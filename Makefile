@@ -20,7 +20,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(BUILD)/torch_extensions
 export MPLBACKEND := Agg
 PYTEST_ARGS ?=
 
-.PHONY: lab test ds-ops test-fast test-changed test-profile smoke venv lock kernel clean-notebooks clean bench slides chromium bubblewrap student site site-deps
+.PHONY: lab test ds-ops test-fast test-changed test-profile smoke rehearse venv lock kernel clean-notebooks clean bench slides chromium bubblewrap student site site-deps
 
 $(BIN)/.installed: pyproject.toml $(LOCK)
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 1; }
@@ -88,6 +88,11 @@ test-profile: venv ds-ops chromium bubblewrap site-deps
 
 smoke: venv
 	$(BIN)/labkit notebooks run --profile smoke --out $(BUILD)/executed
+
+# The week before class, on any machine: every notebook as PROFILE's node runs it, on CPU (docs/gpu-node.md).
+PROFILE ?= a100x4
+rehearse: venv ds-ops
+	$(BIN)/labkit notebooks run --profile $(PROFILE) --rehearse --out $(BUILD)/rehearsed/$(PROFILE)
 
 bench: venv
 	for f in bench/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done

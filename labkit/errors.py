@@ -27,6 +27,13 @@ class HardwareError(ConfigError):
         return [f"HardwareError: {self}"]
 
 
+class RehearsalError(LabkitError, RuntimeError):
+    """A rehearsal (a GPU profile's notebook run on CPU, labkit.rehearsal) found what would fail on the node."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
 class NotebookError(LabkitError, RuntimeError):
     """A notebook failed to execute or breaks the hygiene rules."""
 

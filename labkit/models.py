@@ -5,6 +5,9 @@
   `labkit fetch ID` fills the cache). A checkpoint loads in an explicit dtype: transformers 5 keeps
   the saved one (often fp16) otherwise, and a full fine-tune needs fp32 weights.
 - Vision: torchvision ResNets (`resnet50` is torchvision's own constructor).
+In a rehearsal (`labkit.rehearsal`) every model is its stand-in: the same family and layer structure
+with shrunk widths, built from the real config (a checkpoint's config is read from its folder or the
+HF cache as on the node; its weights are not loaded).
 Introduced in notebook 02_single_gpu (vision) and 04_fsdp (LLM).
 """
 from __future__ import annotations
@@ -42,15 +45,22 @@ def llm_config(name: str):
     """The `LlamaConfig` of a preset, or the config of a local checkpoint folder."""
     from transformers import AutoConfig, LlamaConfig
 
+    from labkit import rehearsal
+
     if name in presets.LLM_PRESETS:
         preset = presets.LLM_PRESETS[name]
         if "num_local_experts" in preset:  # mixture of experts (tiny-moe): Mixtral's layout
             from transformers import MixtralConfig
-            return MixtralConfig(**preset)
-        return LlamaConfig(**preset)
+            config = MixtralConfig(**preset)
+        else:
+            config = LlamaConfig(**preset)
+        return rehearsal.llm_config(config, keep_vocab=False) if rehearsal.active() else config
     folder = checkpoint_dir(name, weights=False)
     if folder is not None:
-        return AutoConfig.from_pretrained(folder)
+        config = AutoConfig.from_pretrained(folder)
+        if rehearsal.active():  # a tokenizer beside the weights makes the data's ids: keep its vocabulary
+            return rehearsal.llm_config(config, keep_vocab=(folder / "tokenizer_config.json").is_file())
+        return config
     raise ConfigError(f"unknown LLM {name!r}: use one of {', '.join(presets.LLM_PRESETS)}, a local folder "
                       "holding config.json (from save_pretrained) or a Hugging Face id ORG/NAME")
 
@@ -63,8 +73,10 @@ def build_llm(name: str, *, seed: int = 0, dtype: torch.dtype | None = None, **l
     """
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    folder = checkpoint_dir(name)
-    if folder is not None:
+    from labkit import rehearsal
+
+    folder = checkpoint_dir(name, weights=not rehearsal.active())
+    if folder is not None and not rehearsal.active():
         return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32, **load_kwargs)
     config = llm_config(name)
     torch.manual_seed(seed)
@@ -80,9 +92,13 @@ def build_vision(name: str, *, seed: int = 0) -> nn.Module:
     if name not in presets.VISION_PRESETS:
         raise ConfigError(f"unknown vision model {name!r}: use one of {', '.join(presets.VISION_PRESETS)}")
     torch.manual_seed(seed)
+    spec = presets.VISION_PRESETS[name]
+    from labkit import rehearsal
+    stand_in = rehearsal.vision(name, spec) if rehearsal.active() else None
+    if stand_in is not None:
+        return stand_in
     if name == "resnet50":
         return resnet50(weights=None)
-    spec = presets.VISION_PRESETS[name]
     return ResNet(Bottleneck, list(spec["layers"]), num_classes=spec["num_classes"])
 
 

@@ -43,15 +43,20 @@ def test_peak_table_matches_the_sku_and_uses_fp32_unless_tf32_is_on(name, dtype,
     assert metrics.peak_for(name, dtype, tf32=tf32) == peak
 
 
-def test_tf32_follows_torchs_matmul_precision():
-    before = torch.get_float32_matmul_precision()
+def test_tf32_follows_torchs_matmul_and_cudnn_precision():
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.conv.fp32_precision
     try:
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
         torch.set_float32_matmul_precision("highest")
         assert not metrics.tf32_enabled()
         torch.set_float32_matmul_precision("high")
         assert metrics.tf32_enabled()
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.conv.fp32_precision = "tf32"  # torch's default for cuDNN convolutions
+        assert metrics.tf32_enabled()
     finally:
-        torch.set_float32_matmul_precision(before)
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.conv.fp32_precision = before[1]
 
 
 def _mlp() -> nn.Module:

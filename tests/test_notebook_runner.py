@@ -88,8 +88,9 @@ def test_failed_executed_copy_is_kept_with_the_traceback_in_place(runs):
 def test_format_runs_is_a_table_with_every_notebook(runs):
     text = nbk.format_runs(list(runs.values()))
     header, *rows = text.splitlines()
-    assert header.split() == ["notebook", "status", "seconds", "failure"]
+    assert header.split() == ["notebook", "status", "seconds", "cpu", "s", "failure"]
     assert [r.split()[:2] for r in rows] == [["20_fail", "failed"], ["10_pass", "ok"]]
+    assert all(r.cpu_seconds > 0 for r in runs.values())  # the kernel's own CPU time, reaped with it
     assert "cell 2: ZeroDivisionError" in rows[0]
 
 

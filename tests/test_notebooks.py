@@ -1,9 +1,12 @@
-"""Every committed notebook is clean and runs top to bottom in the smoke and smoke-bf16 profiles.
+"""Every committed notebook is clean and runs top to bottom in the smoke profile.
 
 Parametrized over the notebooks that exist when pytest collects, so a notebook added to notebooks/
 or reservations/ is covered without touching this file. Executed copies go to build/executed/
-(reservations' to build/executed/reservations/), where the grading tests read them; smoke-bf16's go to
-build/executed-smoke-bf16/.
+(reservations' to build/executed/reservations/), where the grading tests read them.
+The GPU profiles' branches (bf16 and fp16 included) run in tests/test_rehearsal.py: every notebook
+rehearsed for a100x4, h100x1 and v100x4. That replaced the smoke-bf16 notebook runs (CPU ranks in
+bf16); what only they executed -- bf16 over real gloo ranks -- is
+tests/test_rehearsal.py::test_every_strategy_a_lab_trains_in_bf16_communicates_over_real_ranks.
 Also tests the lease plan that notebook 00_setup shows (labkit.course.lease_timeline).
 """
 from __future__ import annotations
@@ -38,35 +41,18 @@ def test_notebook_hygiene(path):
     assert nbk.check_hygiene(path) == [], f"{rel(path)}: fix these, or run `make clean-notebooks`"
 
 
-#: Where each CI profile's executed copies go. Grading tests read build/executed/ (smoke) only.
-EXECUTED_BY_PROFILE = {"smoke": EXECUTED, "smoke-bf16": ROOT / "build" / "executed-smoke-bf16"}
-
-
-#: Notebooks that smoke-bf16 would run through no branch of its own, and where that branch is tested
-#: instead. Every other notebook runs in both profiles.
-NO_BF16_BRANCH = {
-    "00_setup": "trains nothing",
-    "01_memory": "estimates and FakeTensor traces; bf16 traces are tests/test_memory_trace.py's",
-}
-PROFILE_RUNS = [pytest.param(path, profile, id=f"{rel(path)}-{profile}")
-                for path in EXECUTED_IN_CI for profile in EXECUTED_BY_PROFILE
-                if profile == "smoke" or path.stem not in NO_BF16_BRANCH]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("path, profile", PROFILE_RUNS)
-def test_notebook_runs_in_smoke_profile(path, profile):
-    """smoke: fp32; smoke-bf16: the same labs through the mixed-precision branches (autocast, FSDP2
-    MixedPrecisionPolicy, DeepSpeed bf16) that the GPU profiles take."""
-    base = EXECUTED_BY_PROFILE[profile]
-    out = base if path.parent.name == "notebooks" else base / path.parent.name
+@pytest.mark.parametrize("path", EXECUTED_IN_CI, ids=rel)
+def test_notebook_runs_in_smoke_profile(path):
+    profile = "smoke"
+    out = EXECUTED if path.parent.name == "notebooks" else EXECUTED / path.parent.name
     run = nbk.run_notebook(path, profile=profile, out_dir=out)
     assert run.output.is_file()
     if not run.ok:
         pytest.fail(f"{rel(path)} ({profile}): {run.describe()}\n{run.traceback[-4000:]}", pytrace=False)
     if path.stem == "02_single_gpu":
         check_02_precisions(run.output)
-    if profile == "smoke" and path.parent.name == "notebooks":
+    if path.parent.name == "notebooks":
         # The solutions are the reference: the executed source gets full marks (issue #15). Its recorded checks
         # are graded here; the code tests of its exercise cells (the same source) run once, with their mutants,
         # in tests/test_exercises_ci.py.
@@ -140,7 +126,7 @@ def check_timeline(steps, hours):
 def test_three_hour_plan_runs_every_lab_in_order_and_saves_in_time():
     steps = lp.plan_lease(3.0, "a100x4")
     check_timeline(steps, 3.0)
-    assert lab_steps(steps) == ["02", "03", "04", "05", "06", "07", "08"]
+    assert lab_steps(steps) == ["02", "03", "04", "05", "06", "07", "08", "09"]
     assert all(isinstance(s, tuple) and len(s) == 4 for s in steps)  # (start_min, end_min, what, why)
 
 
@@ -151,8 +137,8 @@ def test_two_blocks_split_the_labs_by_gpu_count_and_overflow_to_an_overnight_blo
     for steps in (single, multi, night):
         check_timeline(steps, 2.0)
     assert lab_steps(single) == ["02", "06"]
-    # launch + setup + downloads leave room for three of the five multi-GPU labs in a 2-hour block
-    assert lab_steps(multi) + lab_steps(night) == ["03", "04", "05", "07", "08"]
+    # launch + setup + downloads leave room for three of the six multi-GPU labs in a 2-hour block
+    assert lab_steps(multi) + lab_steps(night) == ["03", "04", "05", "07", "08", "09"]
     assert lab_steps(multi) == ["03", "04", "05"]
     assert len(lp.plan_two_blocks(3.0)) == 2  # 3-hour blocks need no third
 

@@ -45,8 +45,11 @@ def run_comm(*, nproc: int | None = None, sizes: str | None = None, ops: str = "
     bad = [o for o in ops.split(",") if o not in commbench.OPS]
     if bad:
         raise ConfigError(f"unknown collective(s) {', '.join(bad)}; choose from {','.join(commbench.OPS)}")
-    commbench.parse_sizes(sizes, nproc)  # fail here, before any rank starts
+    parsed = commbench.parse_sizes(sizes, nproc)  # fail here, before any rank starts
     folder = str(out or commbench.default_file().parent)
+    from labkit import rehearsal
+    if rehearsal.active():  # the node's ranks, stood in for in this process (labkit.rehearsal)
+        return commbench.load(commbench.rehearse(nproc, parsed, ops.split(","), warmup=warmup, iters=iters, out=folder))
     launch.run("labkit.profiling.commbench", ["--sizes", sizes, "--ops", ops, "--warmup", str(warmup), "--iters", str(iters),
                                     "--out", folder], nproc=nproc, timeout_s=timeout_s, stream=stream)
     return commbench.load(f"{folder}/{commbench.FILE_NAME}")

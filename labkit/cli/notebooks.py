@@ -46,18 +46,34 @@ def command():
 @click.option("--kernel", default=nbk.KERNEL, show_default=True)
 @click.option("-p", "--parameter", "params", multiple=True, type=(str, str), metavar="NAME VALUE",
               help="Extra papermill parameter; VALUE is read as YAML (3 -> int, true -> bool).")
+@click.option("--rehearse", is_flag=True,
+              help="Rehearse the profile on this machine's CPU: every branch the node takes, stand-in models, "
+                   "every run sized at its real size; numbers are not measurements (docs/gpu-node.md).")
+@click.option("--write-manifest", is_flag=True,
+              help="With --rehearse over all notebooks: store the runs observed as the profile's lab runs "
+                   "(labkit/data/lab_runs.json, read by the preflight).")
 @click.pass_context
-def run(ctx, names, profile, out_dir, timeout_s, kernel, params):
+def run(ctx, names, profile, out_dir, timeout_s, kernel, params, rehearse, write_manifest):
     """Execute NAMES (e.g. 01_memory, 01, or a path; all of notebooks/ by default) with papermill.
 
     Prints a table of notebook, status and seconds; exits 1 if any notebook failed, naming the cell.
     """
-    from labkit.envinfo import require
-    require(profile)  # a GPU profile without its GPUs: one line and exit 2 before any kernel starts
+    if write_manifest and (not rehearse or names):
+        raise click.UsageError("--write-manifest needs --rehearse and every notebook (no NAMES)")
+    if not rehearse:
+        from labkit.envinfo import require
+        require(profile)  # a GPU profile without its GPUs: one line and exit 2 before any kernel starts
     parameters = {name: yaml.safe_load(value) for name, value in params}
     runs = nbk.run_notebooks(list(names) or None, profile=profile, out_dir=out_dir, timeout_s=timeout_s,
-                             kernel=kernel, parameters=parameters, progress=lambda line: click.echo(line, err=True))
+                             kernel=kernel, parameters=parameters, progress=lambda line: click.echo(line, err=True),
+                             rehearse=rehearse)
     click.echo(nbk.format_runs(runs))
+    if rehearse:
+        from labkit.course import rehearse as rh
+        from labkit.rehearsal import BANNER, STEPS
+        click.echo(BANNER.format(profile=profile, steps=STEPS), err=True)
+        if write_manifest and all(r.ok for r in runs):
+            click.echo(f"lab runs of {profile} written to {rh.write_manifest(profile, rh.runs_of(runs))}", err=True)
     failed = [r for r in runs if not r.ok]
     if failed:
         click.echo(f"\n{len(failed)} of {len(runs)} notebooks failed:", err=True)

@@ -69,7 +69,9 @@ LABS: tuple[Lab, ...] = (
     Lab("07_model_parallel", "07 pipeline and tensor parallel", 15, 2,
         "splits one model over GPUs; needs the 4x node"),
     Lab("08_profiling", "08 profiling: compute vs communication", 10, 2,
-        "profiles the distributed runs above, so it comes last"),
+        "profiles the distributed runs above"),
+    Lab("09_beyond_3d", "09 beyond 3-D: bandwidth, schedules, context and expert parallel", 10, 2,
+        "measures the node's links and builds on 07's pipelines; on a one-GPU node it runs on CPU ranks"),
 )
 _BY_KEY = {lab.key: lab for lab in LABS}
 

@@ -53,18 +53,34 @@ class NotebookRun:
     ename: str = ""
     evalue: str = ""
     traceback: str = ""
+    rehearsal_log: Path | None = None
+    """A rehearsal's log (`labkit.course.rehearse`): every run sized, every CUDA call recorded."""
+    profile: str = ""
+    cpu_seconds: float | None = None
+    """CPU seconds of the kernel and every process it started (reaped children's user + system time)."""
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
 
+    def cells(self) -> dict[int, int]:
+        """{execution count: source cell index} of the executed copy (`source_cells`)."""
+        return source_cells(self.output)
+
     def describe(self) -> str:
         """One line naming the notebook, and for a failure the cell, the error and the executed copy."""
+        kind = f"rehearsal {self.profile} " if self.rehearsal_log else ""
         if self.ok:
-            return f"{self.name}: ok in {self.seconds:.1f} s"
-        where = "before any cell ran" if self.cell is None else f"at cell {self.cell} (In [{self.exec_count}])"
+            cpu = f" ({self.cpu_seconds:.1f} CPU s)" if self.cpu_seconds is not None else ""
+            return f"{self.name}: {kind}ok in {self.seconds:.1f} s{cpu}"
+        where = "before any cell ran" if self.cell is None else f"at cell {self.cell}" + (
+            f" (In [{self.exec_count}])" if self.exec_count is not None else "")
         copy = f"executed copy with the traceback: {self.output}" if self.output.exists() else "no executed copy"
-        return f"{self.name}: failed {where}: {self.ename}: {self.evalue} ({copy})"
+        found = ""
+        if self.rehearsal_log and self.ename != "RehearsalError":  # a run the node could not hold, caught by
+            from labkit.course import rehearse                   # the notebook, explains a later error
+            found = "".join(f"; {line}" for line in rehearse.problems(self.rehearsal_log, self.cells())[:1])
+        return f"{self.name}: {kind}failed {where}: {self.ename}: {self.evalue}{found} ({copy})"
 
 
 # ---------------------------------------------------------------- writing notebooks
@@ -124,8 +140,9 @@ def find_notebooks(names: Sequence[str] | None = None, notebook_dir: str | os.Pa
 
 # ---------------------------------------------------------------- running
 @contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    """Set environment variables for the kernel papermill starts (it inherits ours), then restore."""
+def environ(**values: str) -> Iterator[None]:
+    """Set environment variables (for the kernel papermill starts: it inherits ours; for a rehearsal's
+    in-process rank), then restore them."""
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:
@@ -168,10 +185,29 @@ def _failing_cell(output: Path, exec_index: int | None) -> tuple[int | None, int
     return max(source_index, 0), cells[exec_index].get("execution_count")
 
 
+def source_cells(executed: str | os.PathLike) -> dict[int, int]:
+    """{execution count: source cell index} of an executed copy (papermill's injected cell skipped)."""
+    import nbformat
+
+    if not Path(executed).is_file():
+        return {}
+    nb = nbformat.read(executed, as_version=4)
+    out, injected = {}, 0
+    for i, cell in enumerate(nb.cells):
+        if INJECTED_TAG in _tags(cell):
+            injected += 1
+        elif cell.cell_type == "code" and cell.get("execution_count") is not None:
+            out[cell["execution_count"]] = i - injected
+    return out
+
+
 def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: str | os.PathLike = "build/executed",
                  timeout_s: float = DEFAULT_TIMEOUT_S, kernel: str = KERNEL,
-                 parameters: Mapping[str, Any] | None = None) -> NotebookRun:
-    """Execute one notebook with papermill in its own folder, keeping the executed copy in `out_dir`."""
+                 parameters: Mapping[str, Any] | None = None, rehearse: bool = False) -> NotebookRun:
+    """Execute one notebook with papermill in its own folder, keeping the executed copy in `out_dir`.
+
+    `rehearse`: the profile's notebook on this machine's CPU (`labkit.rehearsal`, docs/gpu-node.md);
+    the log of its runs and CUDA calls goes beside the executed copy (`<name>.rehearsal.jsonl`)."""
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
@@ -185,9 +221,15 @@ def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: st
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)  # a copy left by an earlier run must not pass for this run's
     fail: dict[str, Any] = {}
-    start = time.perf_counter()
+    env = {"MPLBACKEND": "Agg"}  # no GUI windows from matplotlib in a headless kernel
+    log = None
+    if rehearse:
+        from labkit.course import rehearse as rehearsal_log
+        log = out.with_suffix(".rehearsal.jsonl")
+        env.update(rehearsal_log.environment(log, profile))
+    start, cpu_start = time.perf_counter(), _children_cpu()
     try:
-        with _environ(MPLBACKEND="Agg"):  # no GUI windows from matplotlib in a headless kernel
+        with environ(**env):
             papermill.execute_notebook(str(src), str(out), parameters=params, kernel_name=kernel,
                                        cwd=str(src.parent), progress_bar=False,
                                        execution_timeout=timeout_s)
@@ -197,18 +239,34 @@ def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: st
         fail = dict(index=None, ename=type(exc).__name__, evalue=str(exc).strip().splitlines()[0] if str(exc) else "",
                     tb=str(exc))
     seconds = time.perf_counter() - start
+    common = dict(rehearsal_log=log, profile=profile, cpu_seconds=_children_cpu() - cpu_start)
+    if not fail and log is not None:  # the notebook handled an OOM the node would hit on a run that must fit
+        from labkit.course import rehearse as rehearsal_log
+        cells = source_cells(out)
+        found = rehearsal_log.problems(log, cells)
+        if found:
+            return NotebookRun(src.stem, "failed", seconds, out, cell=rehearsal_log.problem_cell(log, cells),
+                               ename="RehearsalError", evalue=found[0], **common)
     if not fail:
-        return NotebookRun(src.stem, "ok", seconds, out)
+        return NotebookRun(src.stem, "ok", seconds, out, **common)
     cell, count = _failing_cell(out, fail["index"]) if out.exists() else (None, None)
     return NotebookRun(src.stem, "failed", seconds, out, cell=cell, exec_count=count, ename=fail["ename"],
-                       evalue=_ANSI.sub("", fail["evalue"]), traceback=_ANSI.sub("", fail["tb"]))
+                       evalue=_ANSI.sub("", fail["evalue"]), traceback=_ANSI.sub("", fail["tb"]), **common)
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's reaped children (a kernel, and what it reaped)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def run_notebooks(names: Sequence[str] | None = None, *, profile: str = "smoke",
                   out_dir: str | os.PathLike = "build/executed", timeout_s: float = DEFAULT_TIMEOUT_S,
                   kernel: str = KERNEL, parameters: Mapping[str, Any] | None = None,
                   notebook_dir: str | os.PathLike | None = None,
-                  progress: Callable[[str], None] | None = None) -> list[NotebookRun]:
+                  progress: Callable[[str], None] | None = None, rehearse: bool = False) -> list[NotebookRun]:
     """Run every named notebook (all of `notebooks/` by default), never stopping at a failure."""
     paths = find_notebooks(names, notebook_dir)
     get_profile(profile)  # fail before the first kernel starts
@@ -217,21 +275,22 @@ def run_notebooks(names: Sequence[str] | None = None, *, profile: str = "smoke",
         if progress:
             progress(f"running {path.stem} (profile {profile}) ...")
         runs.append(run_notebook(path, profile=profile, out_dir=out_dir, timeout_s=timeout_s,
-                                 kernel=kernel, parameters=parameters))
+                                 kernel=kernel, parameters=parameters, rehearse=rehearse))
         if progress:
             progress(runs[-1].describe())
     return runs
 
 
 def format_runs(runs: Sequence[NotebookRun]) -> str:
-    """Fixed-width table: notebook, status, seconds, failing cell and error."""
-    rows = [("notebook", "status", "seconds", "failure")]
+    """Fixed-width table: notebook, status, wall and CPU seconds, failing cell and error."""
+    rows = [("notebook", "status", "seconds", "cpu s", "failure")]
     for r in runs:
         failure = "" if r.ok else f"cell {r.cell}: {r.ename}: {r.evalue}"[:100]
-        rows.append((r.name, r.status, f"{r.seconds:.1f}", failure))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    return "\n".join(f"{a.ljust(widths[0])}  {b.ljust(widths[1])}  {c.rjust(widths[2])}  {d}".rstrip()
-                     for a, b, c, d in rows)
+        cpu = "" if r.cpu_seconds is None else f"{r.cpu_seconds:.1f}"
+        rows.append((r.name, r.status, f"{r.seconds:.1f}", cpu, failure))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join(f"{a.ljust(widths[0])}  {b.ljust(widths[1])}  {c.rjust(widths[2])}  {d.rjust(widths[3])}  {e}"
+                     .rstrip() for a, b, c, d, e in rows)
 
 
 # ---------------------------------------------------------------- hygiene

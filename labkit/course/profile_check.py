@@ -1,10 +1,10 @@
 """Does every lab's GPU branch fit and make sense on a profile? Resolved and checked on CPU.
 
 A profile is a promise that each lab runs on its first try on that machine. `check_profile(name)`
-resolves every training run the lab notebooks make on the profile (`lab_runs`: the same strategies,
-models and explicit precisions as the notebook cells), runs each strategy's own `check` (strategy x
+resolves every training run the lab notebooks make on the profile (`lab_runs`: what a rehearsal of
+the notebooks observed, `labkit.course.rehearse`), runs each strategy's own `check` (strategy x
 model pairs it refuses come back with the reason), and compares `labkit.memory.estimate`'s bytes per
-GPU with `HEADROOM` of the profile's GPU memory. `precision_problem` says when a profile's dtype does
+GPU with `HEADROOM` of the profile's GPU memory (or of a run's `memory_cap_gb`). `precision_problem` says when a profile's dtype does
 not suit its GPU (bf16 on Volta has no tensor cores). Tests run it for every profile, so a profile
 that would OOM or mismatch fails a test, not a class; `labkit preflight` runs it on the node.
 Introduced in notebook 00_setup (docs/gpu-node.md).
@@ -15,20 +15,14 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from labkit.errors import ConfigError
+from labkit.memory import runs
+from labkit.memory.runs import HEADROOM, memory_config
 from labkit.profiles import Profile, get_profile
 
-#: Share of a GPU's memory the estimator's bytes may fill. The rest is the CUDA context (~0.5-1 GB),
-#: NCCL buffers, allocator fragmentation and the estimator's own error (docs/memory.md: within ~10%).
-HEADROOM = 0.85
 #: Compute capability of each GPU family the profiles name (bf16 tensor cores need >= 8.0).
 CAPABILITY = {"V100": (7, 0), "A100": (8, 0), "H100": (9, 0)}
 #: TrainConfig.amp of a dtype; the mixed-precision mode a lab uses where it says "AMP".
 AMP_OF_DTYPE = {"float32": "none", "bfloat16": "bf16", "float16": "fp16"}
-#: Estimator precision of each amp mode: torch keeps fp32 master params under autocast (16 B/param
-#: with AdamW either way); activations are 2 B in mixed precision.
-_PRECISION = {"none": "fp32", "bf16": "mixed-bf16", "fp16": "mixed-fp16"}
-
-
 @dataclass(frozen=True)
 class Item:
     """One lab run on one profile: resolved, refused or over budget."""
@@ -71,76 +65,20 @@ def precision_problem(profile: Profile) -> str | None:
 
 
 def lab_runs(profile: Profile) -> list[tuple[str, str, str, str, dict]]:
-    """(lab, label, strategy, model, options) of every training run the lab notebooks make on
-    `profile`, with the precision each run states. Keep in step with the notebooks' run cells."""
-    from labkit.train.memcap import scenario_cap_gb
+    """(lab, label, strategy, model, options) of every training run the lab notebooks make on `profile`,
+    with the precision and ranks each run states: what a rehearsal of the notebooks observed
+    (`labkit.course.rehearse.MANIFEST`, checked against a fresh rehearsal by tests/test_rehearsal.py),
+    not a hand-kept list. A lesson's deliberate out-of-memory runs (`may_oom`) and runs a lesson puts on a
+    CPU profile (09's multi-rank runs on a one-GPU node: the manifest names their `profile`) are left out."""
+    from labkit.course import rehearse
 
-    amp, n = amp_of(profile), profile.nproc
-    vis, llm = profile.vision_model, profile.llm_model
-    cap = scenario_cap_gb(profile, llm)  # 06 runs every PEFT run under "the 24 GB GPU" cap
-    pipe_amp = "none" if profile.dtype == "float16" else amp  # pipelines refuse fp16 (07's setup cell)
-    runs = [("02_single", "baseline", "single", vis, dict(amp="none")),
-            ("02_single", "amp", "single", vis, dict(amp=amp)),
-            ("02_single", "accum", "single", vis, dict(amp="none", accum=2)),
-            ("02_single", "checkpointing", "single", vis, dict(amp="none", checkpointing=True)),
-            ("02_single", "channels_last", "single", vis, dict(amp=amp, channels_last=True)),
-            ("06_peft", "lora", "lora", llm, dict(checkpointing=True, memory_cap_gb=cap)),
-            ("06_peft", "qlora", "qlora", llm, dict(checkpointing=True, memory_cap_gb=cap))]
-    if n >= 2:
-        runs += [("03_ddp", "ddp1", "single", vis, {}), ("03_ddp", f"ddp{n}", "ddp", vis, dict(nproc=n)),
-                 ("03_ddp", "llm single", "single", llm, single_levers(profile, llm)),
-                 ("03_ddp", "ddp_accum", "ddp", llm, dict(nproc=n, accum=2))]
-        runs += [("04_fsdp", s, s, llm, dict(nproc=n, amp="none")) for s in
-                 ("ddp", "fsdp", "fsdp-grad-op", "fsdp-no-shard", "fsdp-hybrid", "fsdp-offload")]
-        runs += [("04_fsdp", f"fsdp-{amp}", "fsdp", llm, dict(nproc=n, amp=amp))]
-        runs += [("05_zero", s, s, llm, dict(nproc=n)) for s in
-                 ("ddp", "zero1", "zero2", "zero3", "zero3-offload", "fsdp-grad-op", "fsdp")]
-        fit = single_levers(profile, llm, amp=pipe_amp)
-        runs += [("07_model_parallel", "single", "single", llm, dict(amp=pipe_amp, **fit))]
-        runs += [("07_model_parallel", s, s, llm, dict(nproc=n, amp=pipe_amp, microbatches=2 * n))
-                 for s in ("pipeline-gpipe", "pipeline-1f1b", "tensor-fsdp")]
-        runs += [("08_profiling", s, s, llm, dict(nproc=n)) for s in ("ddp", "fsdp", "fsdp-qlora")]
-        runs += [("09_beyond_3d", s, s, llm, dict(nproc=n, amp=pipe_amp, microbatches=2 * n))
-                 for s in ("pipeline-interleaved", "pipeline-zero-bubble")]
-        runs += [("09_beyond_3d", "context-parallel", "context-parallel", llm, dict(nproc=n, amp=pipe_amp)),
-                 ("09_beyond_3d", "moe single", "single", "tiny-moe", dict(amp=pipe_amp)),
-                 ("09_beyond_3d", "expert-parallel", "expert-parallel", "tiny-moe", dict(nproc=n, amp=pipe_amp))]
-    # Not listed: 04's "DDP runs out of memory where FSDP fits" pair, whose DDP run must not fit.
-    return runs
-
-
-def memory_config(cfg):
-    """The `labkit.memory.estimate.MemoryConfig` of a resolved TrainConfig (bytes per GPU)."""
-    from labkit import parallel
-    from labkit.memory.estimate import MemoryConfig
-    from labkit.parallel.studies import ESTIMATE_FIELDS
-
-    dims = parallel.strategy_class(cfg.run.strategy).dims_for(cfg, cfg.world_size)
-    dp = dims.dp_size
-    fields = dict(ESTIMATE_FIELDS.get(cfg.run.strategy, {}))
-    if cfg.run.strategy == "fsdp-offload":
-        fields["offload"] = "optimizer+params"  # CPUOffloadPolicy: the ZeRO-3 shards live on the host
-    if cfg.run.strategy == "fsdp-hybrid":
-        fields["zero_group"] = dims.dp_shard  # ranks per node
-    peft = cfg.run.strategy in ("lora", "qlora", "fsdp-qlora", "fsdp-qlora-offload")
-    if peft:
-        fields.update(lora_rank=cfg.peft.lora_rank, lora_targets=cfg.peft.lora_targets)
-        if "qlora" in cfg.run.strategy:
-            fields["quant"] = "nf4-dq"
-        if cfg.run.strategy.startswith("fsdp-"):
-            fields["zero"] = 3
-    tp, pp, cp, ep = dims.tp, dims.pp, dims.cp, dims.ep  # cp: 1/cp of every sequence; ep: 1/ep of the experts
-    optimizer = cfg.optim.optimizer or ("paged-adamw-8bit" if "qlora" in cfg.run.strategy else "adamw")
-    return MemoryConfig(model=cfg.run.model, precision=_PRECISION[cfg.precision.amp], optimizer=optimizer, dp=dp, tp=tp, pp=pp,
-                        cp=cp, ep=ep, batch=max(cfg.optim.accum, cfg.optim.batch // dp), grad_accum=cfg.optim.accum,
-                        seq=cfg.run.seq_len if cfg.kind == "llm" else None,
-                        # ResNet checkpointing is not modelled: its bytes without it are an upper bound.
-                        checkpointing="full" if cfg.memory.checkpointing and cfg.kind == "llm" else "none", **fields)
+    return [(r["lab"], r["label"], r["strategy"], r["model"], dict(r["options"]))
+            for r in rehearse.manifest_rows(profile.name) if not r.get("may_oom") and "profile" not in r]
 
 
 def capacity(profile: Profile) -> float | None:
     """Bytes the estimate may use on one of the profile's GPUs; None on CPU."""
-    return HEADROOM * profile.gpu_memory_gb * 1e9 if profile.device == "cuda" else None
+    return runs.capacity(profile)
 
 
 def check_run(profile: Profile, lab: str, label: str, strategy: str, model: str, options: dict) -> Item:
@@ -155,7 +93,7 @@ def check_run(profile: Profile, lab: str, label: str, strategy: str, model: str,
         parallel.strategy_class(strategy).check(cfg, cfg.world_size)
     except ConfigError as exc:
         return Item(ok=False, reason=str(exc), **item)
-    cap = capacity(profile)
+    cap = runs.capacity(profile, cfg.memory.memory_cap_gb)
     if cap is None:
         return Item(ok=True, **item)
     try:
@@ -164,7 +102,8 @@ def check_run(profile: Profile, lab: str, label: str, strategy: str, model: str,
         return Item(ok=False, reason=f"the estimator cannot size this run: {exc}", **item)
     if used > cap:
         return Item(ok=False, bytes_per_gpu=used, capacity=cap, **item,
-                    reason=f"estimated {used / 1e9:.1f} GB per GPU > {HEADROOM:.0%} of {profile.gpu_memory_gb:g} GB; "
+                    reason=f"estimated {used / 1e9:.1f} GB per GPU > {HEADROOM:.0%} of "
+                           f"{cfg.memory.memory_cap_gb or profile.gpu_memory_gb:g} GB; "
                            "lower the batch or add checkpointing in the profile")
     return Item(ok=True, bytes_per_gpu=used, capacity=cap, **item)
 

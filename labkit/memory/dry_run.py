@@ -97,6 +97,8 @@ def build(cfg: MemoryConfig, *, device: str = "cpu", fake_mode=None):
     With `fake_mode`, the model (and its LoRA adapters) is built on the meta device and its
     parameters are then replaced by fake CPU tensors: fake parameters cannot be converted with
     `.to()` (torch swaps them, which their weak references forbid), meta ones can."""
+    from labkit import rehearsal
+
     spec = spec_of(cfg)
     dtype = _DTYPES[cfg.precision]
     batch = (cfg.batch or 1) // cfg.grad_accum
@@ -114,13 +116,17 @@ def build(cfg: MemoryConfig, *, device: str = "cpu", fake_mode=None):
     with inputs:
         if fake_mode is not None:
             _materialize(model)
+        small = rehearsal.active()  # a rehearsal's stand-in model: its vocabulary, short inputs
         if spec.kind == "vision":
             side, classes = spec.arch["image_size"], spec.arch["num_classes"]
+            side = min(side, rehearsal.IMAGE_SIZE) if small else side
             x = torch.randn(batch, 3, side, side, dtype=dtype, device=device)
             y = torch.randint(0, classes, (batch,), device=device)
         else:
             seq = cfg.seq or min(spec.arch["max_seq"], 2048)
-            x = y = torch.randint(0, spec.arch["vocab"], (batch, seq), device=device)
+            seq = min(seq, rehearsal.SEQ_LEN) if small else seq
+            vocab = model.config.vocab_size if small else spec.arch["vocab"]
+            x = y = torch.randint(0, vocab, (batch, seq), device=device)
     return model, [p for p in model.parameters() if p.requires_grad], x, y
 
 

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from labkit import device as devices
 from labkit.errors import ConfigError
 from labkit.memory.estimate import Estimate, MemoryConfig, estimate
 from labkit.memory.dry_run import _quiet, check_traceable, run_step, to_estimate
@@ -21,7 +22,7 @@ RAM_SHARE = 0.5
 
 
 def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if devices.cuda_present() else "cpu"
 
 
 def _check_ram(cfg: MemoryConfig) -> None:
@@ -46,16 +47,16 @@ class CudaPeak:
         self.device, self.base = device, 0
 
     def start(self) -> None:
-        torch.cuda.synchronize(self.device)
-        self.base = torch.cuda.memory_allocated(self.device)
+        devices.synchronize(self.device)
+        self.base = devices.memory_allocated(self.device)
 
     def built(self) -> None:
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
+        devices.synchronize(self.device)
+        devices.reset_peak(self.device)
 
     def total(self) -> int:
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - self.base
+        devices.synchronize(self.device)
+        return devices.max_memory_allocated(self.device) - self.base
 
 
 def measure(cfg: MemoryConfig, *, device: str | None = None) -> Estimate:
@@ -63,12 +64,12 @@ def measure(cfg: MemoryConfig, *, device: str | None = None) -> Estimate:
     The device's memory is handed back at the end (garbage collected, CUDA cache emptied)."""
     from labkit.train.metrics import free_device_memory
 
-    device = device or default_device()
+    device = str(devices.resolve(device or default_device()))  # a rehearsal's "cuda" is its CPU stand-in
     check_traceable(cfg)
-    if device == "cpu":
+    if not devices.is_gpu(device):
         _check_ram(cfg)
     start = time.perf_counter()
-    peak = CudaPeak(device) if device.startswith("cuda") else None
+    peak = CudaPeak(device) if devices.is_gpu(device) else None
     if peak is not None:
         peak.start()
     try:

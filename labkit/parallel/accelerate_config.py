@@ -140,7 +140,9 @@ def resolve_plugin(config_path: str | os.PathLike) -> dict:
     args = launch_command_parser().parse_args(["--config_file", str(config_path), "train.py"])
     args, *_ = _validate_launch_command(args)
     env = prepare_multi_gpu_env(args)
-    stub = [] if torch.cuda.is_available() else [
+    from labkit import device as devices
+
+    stub = [] if devices.cuda_present() else [
         mock.patch.object(acc_dataclasses, "is_cuda_available", lambda: True),
         mock.patch.object(torch.cuda, "current_device", lambda: 0)]
     with mock.patch.dict(os.environ, env):

@@ -44,9 +44,13 @@ def run(strategy: str = "fsdp", model: str = "tiny-llama", *, profile: str = "sm
     from labkit.profiles import get_profile
     from labkit.train.api import record_of
 
+    from labkit import rehearsal
+
     cfg = for_strategy(strategy, profile, nproc=nproc, **changes)
     use_cpu = get_profile(profile).device == "cpu"
     path = write_config(cfg, out, strategy, use_cpu=use_cpu)
+    if rehearsal.active() and not use_cpu:
+        return _rehearse(strategy, model, path, profile=profile, nproc=nproc, steps=steps, out=out, seed=seed)
     run_id = f"acc-{int(time.time() * 1e3) % 10**10}"
     args = ["--strategy", strategy, "--model", model, "--profile", profile, "--steps", str(steps), "--out", str(out),
             "--seed", str(seed), "--run-id", run_id, "--config", str(path)]
@@ -69,6 +73,31 @@ def run(strategy: str = "fsdp", model: str = "tiny-llama", *, profile: str = "sm
         tail = "\n".join(output.strip().splitlines()[-25:])
         raise LaunchError(f"accelerate launch failed (exit {proc.returncode}):\n{tail}", output=output)
     return record_of(out, run_id)
+
+
+def _rehearse(strategy: str, model: str, path: Path, *, profile: str, nproc: int, steps: int, out: str, seed: int):
+    """A rehearsal's stand-in (labkit.rehearsal): accelerate's FSDP1 needs CUDA, which a rehearsal does not
+    have, so the config written above is resolved the way `accelerate launch` reads it on the node
+    (`resolve_plugin`), labkit's own `strategy` trains in its place, and the record carries accelerate's
+    facts as that plugin predicts them: an unmeasured prediction, marked `rehearsal`."""
+    import dataclasses
+
+    from labkit import device as devices
+    from labkit import results
+    from labkit.facts import AccelerateFacts
+    from labkit.parallel.accelerate_config import resolve_plugin
+    from labkit.train.api import run as train_run
+
+    plugin = resolve_plugin(path)
+    devices.record("accelerate_launch", command=launch_command(path.name, ["--strategy", strategy]), plugin=plugin)
+    rec = train_run(strategy, model, profile=profile, nproc=nproc, steps=steps, out=out, seed=seed, stream=False,
+                    progress=False, rehearse_as="accelerate")  # sized like the node's run; not a labkit lab run
+    facts = {"requested_fsdp": True, "distributed_type": "FSDP", "wrapper": "FullyShardedDataParallel",
+             "fsdp_effective": True, "silently_replaced": False, "mixed_precision": plugin["mixed_precision"]}
+    record = dataclasses.replace(rec, strategy=record_name(facts, strategy), accelerate=AccelerateFacts(
+        requested_strategy=strategy, accelerate_config=str(path), peak_measured=False, **facts))
+    results.append(record, out)
+    return record
 
 
 def _stop_tree(proc: subprocess.Popen) -> None:
@@ -146,7 +175,8 @@ def _train(args) -> None:
         times.append(time.perf_counter() - t0)
     held = metrics.resident_bytes(model, optimizer, accelerator.device)
     # The CUDA allocator's peak on GPU (unverified on hardware here); CPU runs record 0 (not tracked).
-    peak = torch.cuda.max_memory_allocated(accelerator.device) if accelerator.device.type == "cuda" else 0
+    from labkit import device as devices
+    peak = devices.max_memory_allocated(accelerator.device)
     per_rank = accelerator.gather_for_metrics([(*held, peak)], use_gather_object=True)
     if accelerator.is_main_process:
         results.append(_record(args, cfg, facts, losses, times, per_rank, n_params), cfg.run.out)

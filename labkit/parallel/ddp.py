@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from labkit import device as devices
 from labkit.errors import ConfigError
 from labkit.parallel import comm
 from labkit.parallel.single import Strategy
@@ -26,8 +27,7 @@ def apply_ddp(model: nn.Module, group, *, cfg=None) -> nn.Module:
     if group is None:
         raise ConfigError("ddp needs a process group: launch with --nproc N (torchrun), not in-process")
     device = next(model.parameters()).device
-    device_ids = [device] if device.type == "cuda" else None  # CPU/gloo: no device_ids
-    return DistributedDataParallel(model, device_ids=device_ids, process_group=group)
+    return DistributedDataParallel(model, device_ids=devices.ddp_device_ids(device), process_group=group)
 
 
 def allreduce_seconds(grad_bytes: float, world_size: int, bandwidth_bytes_s: float, *,
@@ -51,7 +51,7 @@ class DDPStrategy(Strategy):
     """DDP hook: wrap with `apply_ddp`, skip the all-reduce on all but the last micro-batch."""
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        return apply_ddp(model, self.ctx.group, cfg=self.cfg)
+        return devices.stand_in_ddp(apply_ddp(model, self.ctx.group, cfg=self.cfg))
 
     def no_sync(self):
         # Gradient accumulation: without no_sync every micro-batch would all-reduce its gradients;

@@ -117,13 +117,14 @@ class ParallelDims:
                               f"{self}; name every dimension > 1")
         return shape, tuple(names)
 
-    def build_mesh(self, device_type: str, names: tuple[str, ...] | None = None):
+    def build_mesh(self, device, names: tuple[str, ...] | None = None):
         """The DeviceMesh over the job's ranks with named dims (built from the process group torchrun set up;
-        `mesh["tp"]` is this rank's TP group). Collective: every rank calls it."""
-        from torch.distributed.device_mesh import init_device_mesh
+        `mesh["tp"]` is this rank's TP group), of the device type of the run's `device` (`ctx.device`:
+        `labkit.device.mesh`, which a rehearsal records). Collective: every rank calls it."""
+        from labkit import device as devices
 
         shape, names = self.mesh_shape(names)
-        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+        return devices.mesh(device, shape, names)
 
     # ------------------------------------------------------------------ presets
     @classmethod

@@ -162,7 +162,7 @@ class ExpertParallelStrategy(Strategy):
     def state_dict(self) -> dict:
         from torch.distributed.tensor import DTensor, Shard
 
-        mesh = self.dims.build_mesh(self.ctx.device.type, ("ep",))  # 1-D: ep = world
+        mesh = self.dims.build_mesh(self.ctx.device, ("ep",))  # 1-D: ep = world
         shard = lambda t: DTensor.from_local(t, mesh, [Shard(0)], run_check=False)  # noqa: E731
         return self._map_experts(super().state_dict(), shard)
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from labkit import device as devices
 from labkit.errors import ConfigError, choices_error
 from labkit.parallel import comm, loading
 from labkit.parallel.dims import DP_DIMS, ParallelDims
@@ -108,7 +109,7 @@ def mesh_shape(plan: FsdpPlan, world_size: int, nnodes: int = 1) -> tuple[tuple[
 def build_mesh(plan: FsdpPlan, device: torch.device, world_size: int, nnodes: int = 1):
     """The DeviceMesh over the job's ranks (built from the world group torchrun set up, no global of ours)."""
     preset, names = MESH_DIMS[plan.mesh]
-    return ParallelDims.from_world(preset, world_size, nnodes=nnodes).build_mesh(device.type, names)
+    return ParallelDims.from_world(preset, world_size, nnodes=nnodes).build_mesh(device, names)
 
 
 # ------------------------------------------------------------------------------------------ wrapping
@@ -184,7 +185,7 @@ def offload_policy_for(plan: FsdpPlan, device: torch.device):
 
     if not plan.offload:
         return OffloadPolicy()
-    return CPUOffloadPolicy(pin_memory=device.type == "cuda" and torch.cuda.is_available())
+    return CPUOffloadPolicy(pin_memory=devices.pin_memory(device))
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:
@@ -234,7 +235,7 @@ class FSDPStrategy(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         full = loading.full_state_on_rank0(model, self.ctx.rank)
-        self.mesh = self.dims.build_mesh(self.ctx.device.type, MESH_DIMS[self.plan.mesh][1])
+        self.mesh = self.dims.build_mesh(self.ctx.device, MESH_DIMS[self.plan.mesh][1])
         units = wrap_units(model, self.plan.wrap, self.plan.min_num_params)
         self.units = unit_sizes(model, units)
         apply_fsdp(model, self.mesh, cfg=self.cfg, plan=self.plan)
@@ -272,7 +273,7 @@ class FSDPStrategy(Strategy):
         grads = tensor_bytes([p.grad for p in params if p.grad is not None], self.ctx.device)
         optim = tensor_bytes([v for s in self.optimizer.state.values() for v in s.values()], self.ctx.device)
         held = self._held_after_forward
-        if self.ctx.device.type == "cpu":
+        if not devices.is_gpu(self.ctx.device):
             # Host IS the device: nothing moves physically; report what the policy places on host.
             offload = sum(rest) + sum(grads) + sum(optim) if self.plan.offload else 0
             return ResidentBytes(max(sum(rest), sum(held)), sum(grads), sum(optim), offload)
@@ -291,7 +292,7 @@ class FSDPStrategy(Strategy):
                                  master_dtype=name(next(self.model.parameters()).dtype), memory_efficient_loading=True)
         memory = MemoryFacts(param_bytes_after_forward=sum(self._held_after_forward), offload=self.plan.offload)
         if self.plan.offload:
-            memory = dataclasses.replace(memory, offload_physical=self.ctx.device.type != "cpu",
+            memory = dataclasses.replace(memory, offload_physical=devices.is_gpu(self.ctx.device),
                                          offload_pin_memory=offload_policy_for(self.plan, self.ctx.device).pin_memory)
         return {"sharding": sharding, "memory": memory,
                 "comm": CommFacts.of(comm_bytes_per_step(self.plan, full_bytes, shape))}

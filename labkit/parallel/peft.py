@@ -212,8 +212,9 @@ class LoraStrategy(Strategy):
             return model
         if self.cfg.peft.lora_parallel == "fsdp":
             return _apply_fsdp(model, self.ctx, self.cfg)
+        from labkit import device as devices
         from labkit.parallel.ddp import apply_ddp
-        return apply_ddp(model, self.ctx.group, cfg=self.cfg)  # DDP all-reduces only the adapters' grads
+        return devices.stand_in_ddp(apply_ddp(model, self.ctx.group, cfg=self.cfg))  # DDP all-reduces only the adapters' grads
 
     def no_sync(self):
         # Accumulation micro-batches: no gradient communication until the last one (DDP / FSDP2).
@@ -295,7 +296,7 @@ def _apply_fsdp(model: nn.Module, ctx, cfg) -> nn.Module:
     from labkit.parallel import fsdp
     from labkit.parallel.dims import ParallelDims
 
-    mesh = ParallelDims.from_world("fsdp", ctx.world_size).build_mesh(ctx.device.type)  # 1-D: dp_shard = world
+    mesh = ParallelDims.from_world("fsdp", ctx.world_size).build_mesh(ctx.device)  # 1-D: dp_shard = world
     return fsdp.apply_fsdp(model, mesh, cfg=cfg)
 
 

@@ -101,17 +101,43 @@ class LlamaStage(nn.Module):
 
 
 def build_schedule(stage_module: nn.Module, group, *, schedule: str, microbatches: int, loss_fn,
-                   device: torch.device):
+                   device: torch.device, example: tuple[int, int] | None = None, autocast=None):
     """A `PipelineStage` around `stage_module` and its GPipe / 1F1B schedule (scale_grads=False:
-    `loss_fn` itself divides by the number of micro-batches, so gradient accumulation stays exact)."""
+    `loss_fn` itself divides by the number of micro-batches, so gradient accumulation stays exact).
+    `example` (micro-batch, tokens) and `autocast`: see `pipeline_stage`."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
     if schedule not in classes:
         raise ConfigError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(classes)}")
-    pipe_stage = PipelineStage(stage_module, dist.get_rank(group), dist.get_world_size(group), device, group=group)
+    pipe_stage = pipeline_stage(stage_module, dist.get_rank(group), dist.get_world_size(group), device, group,
+                                example=example, autocast=autocast)
     return pipe_stage, classes[schedule](pipe_stage, microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def pipeline_stage(module: nn.Module, index: int, stages: int, device, group, *, example=None, autocast=None):
+    """`PipelineStage(module, index, stages, device, group=group)`. Stages normally learn each other's
+    activation shapes by exchanging them at the first step; torch's fake process group (a rehearsal,
+    labkit.rehearsal) exchanges nothing, so there the stage gets its static metadata instead: the input
+    and output of a local forward of one zero micro-batch of shape `example` = (micro-batch, tokens),
+    under the run's `autocast` (the output's dtype), and gradients of their shapes."""
+    import contextlib
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    static = {}
+    if example is not None and dist.get_backend(group) == "fake":
+        mb, tokens = example
+        first = getattr(module.model, "embed_tokens", None) is not None
+        x = torch.zeros(mb, tokens, dtype=torch.long, device=device) if first else \
+            torch.zeros(mb, tokens, module.config.hidden_size, device=device)
+        with torch.no_grad(), (autocast() if autocast else contextlib.nullcontext()):
+            y = module(x)
+        static = dict(input_args=(x,), output_args=(y,), output_grads=(torch.zeros_like(y),),
+                      input_grads=(None if first else torch.zeros_like(x),))
+    return PipelineStage(module, index, stages, device, group=group, **static)
 
 
 # ------------------------------------------------------------------------------------------ hook
@@ -177,9 +203,15 @@ class PipelineStrategy(Strategy):
             return self.task.criterion(logits, targets) / (m * accum)
 
         self.pipe_stage, self.schedule = build_schedule(stage, self.ctx.group, schedule=self.schedule_name,
-                                                        microbatches=m, loss_fn=loss_fn, device=self.ctx.device)
+                                                        microbatches=m, loss_fn=loss_fn, device=self.ctx.device,
+                                                        example=self.example_micro_batch(),
+                                                        autocast=self.precision.autocast)
         self.trace = ScheduleTrace(self.pipe_stage)
         return stage
+
+    def example_micro_batch(self) -> tuple[int, int]:
+        """(samples, tokens) of one pipeline micro-batch."""
+        return self.cfg.optim.batch // (self.microbatches * self.cfg.optim.accum), self.cfg.run.seq_len
 
     def _run(self, inputs, targets, losses: list | None, *, train: bool):
         args = (inputs,) if self.pipe_stage.is_first else ()

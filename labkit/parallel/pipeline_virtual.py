@@ -150,13 +150,15 @@ class VirtualPipelineStrategy(PipelineStrategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed import pipelining
-        from torch.distributed.pipelining import PipelineStage
+
+        from labkit.parallel.pipeline import pipeline_stage
 
         p, rank, v = self.ctx.world_size, self.ctx.rank, CHUNKS * self.ctx.world_size
         split = split_virtual(model.config.num_hidden_layers, v)
         ids = local_stages(rank, p, self.style)
         mods = [LlamaStage(model, split[s], first=s == 0, last=s == v - 1).to(self.ctx.device) for s in ids]
-        self.pipe_stages = [PipelineStage(m, s, v, self.ctx.device, group=self.ctx.group) for m, s in zip(mods, ids)]
+        self.pipe_stages = [pipeline_stage(m, s, v, self.ctx.device, self.ctx.group, example=self.example_micro_batch(),
+                                           autocast=self.precision.autocast) for m, s in zip(mods, ids)]
         accum, mb = self.cfg.optim.accum, self.microbatches
 
         def loss_fn(logits, targets):  # (B/m, T, V) logits; mean over all m x accum micro-batches

@@ -45,8 +45,13 @@ def load_4bit(path: str | os.PathLike, *, device: torch.device | str = "cpu",
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"{path} is not a saved model (no config.json); create one with "
                           "labkit.models.save_llm('tiny-llama', path) or pass a local checkpoint folder")
+    from labkit import device as devices
+
     device = torch.device(device)
+    # the GPU's index on the node; a rehearsal loads on the CPU standing in for it
     device_map = {"": device.index or 0} if device.type == "cuda" else "cpu"
+    if devices.standing_in() and devices.is_gpu(device):
+        devices.record("from_pretrained_4bit", device_map={"": devices.logical(device)})
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_config(compute_dtype),
                                                  device_map=device_map, dtype=compute_dtype)
     for module in model.modules():
@@ -139,11 +144,12 @@ class QLoraStrategy(LoraStrategy):
     def base_checkpoint(self) -> Path:
         """The folder `from_pretrained` loads: the checkpoint itself, or (smoke) the seeded preset saved
         once to OUT/base/<model>-seed<seed>, like a downloaded checkpoint. Rank 0 writes it."""
+        from labkit import rehearsal
         from labkit.models import checkpoint_dir
         folder = checkpoint_dir(self.cfg.run.model)  # a local checkpoint or a cached HF id
-        if folder is not None:
+        if folder is not None and not rehearsal.active():  # a rehearsal saves its stand-in instead
             return folder
-        path = Path(self.cfg.run.out) / "base" / f"{self.cfg.run.model}-seed{self.cfg.run.seed}"
+        path = Path(self.cfg.run.out) / "base" / f"{self.cfg.run.model.replace('/', '--')}-seed{self.cfg.run.seed}"
         if self.ctx.is_main and not (path / "config.json").is_file():
             from labkit.models import save_llm
             path.parent.mkdir(parents=True, exist_ok=True)

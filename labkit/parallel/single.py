@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from labkit import device as devices
 from labkit.errors import ConfigError
 from labkit.parallel.dims import ParallelDims
 from labkit.train import levers
@@ -103,7 +104,7 @@ class Strategy:
 
     def build_model(self) -> nn.Module:
         from labkit.models import build_model
-        return build_model(self.cfg.run.model, seed=self.cfg.run.seed).to(self.ctx.device)
+        return devices.place(build_model(self.cfg.run.model, seed=self.cfg.run.seed), self.ctx.device)
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Levers in a fixed order: memory format and activation checkpointing change the single-device
@@ -211,8 +212,8 @@ class Strategy:
     def _save_rank_state(self, path: Path) -> None:
         # Per-rank RNG and loss-scaler state: small, not sharded, one file per rank.
         state = {"cpu_rng": torch.get_rng_state(), "scaler": self.precision.state_dict()}
-        if self.ctx.device.type == "cuda":
-            state["cuda_rng"] = torch.cuda.get_rng_state(self.ctx.device)
+        if devices.is_gpu(self.ctx.device):
+            state["cuda_rng"] = devices.rng_state(self.ctx.device)
         torch.save(state, Path(path) / f"rank_state_{self.ctx.rank}.pt")
 
     def _load_rank_state(self, path: Path) -> None:
@@ -221,8 +222,8 @@ class Strategy:
             return
         state = torch.load(file, weights_only=False)
         torch.set_rng_state(state["cpu_rng"])
-        if "cuda_rng" in state and self.ctx.device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda_rng"], self.ctx.device)
+        if "cuda_rng" in state and devices.is_gpu(self.ctx.device):
+            devices.set_rng_state(state["cuda_rng"], self.ctx.device)
         self.precision.load_state_dict(state.get("scaler", {}))
 
     # ------------------------------------------------------------------ accounting

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from labkit import device as devices
 from labkit.errors import ConfigError
 from labkit.parallel import fsdp
 from labkit.parallel.peft import LoraSettings, LoraStrategy, trainable_counts
@@ -127,7 +128,7 @@ class FsdpQLoraStrategy(QLoraStrategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         self.counts = logical_counts(model)
         self.counts["packed_4bit_full_bytes"] = packed_bytes(model)
-        self.mesh = self.dims.build_mesh(self.ctx.device.type, fsdp.MESH_DIMS[self.plan.mesh][1])
+        self.mesh = self.dims.build_mesh(self.ctx.device, fsdp.MESH_DIMS[self.plan.mesh][1])
         return apply_fsdp_qlora(model, self.mesh, cfg=self.cfg.replace(amp=self.amp),
                                 offload=self.plan.offload)
 
@@ -135,7 +136,7 @@ class FsdpQLoraStrategy(QLoraStrategy):
         # Parameters by local shard (DTensor), plus the replicated QuantState constants.
         base = resident_bytes(self.model, self.optimizer, self.ctx.device)
         base = base._replace(param=base.param + quant_state_bytes(self.model))
-        if self.plan.offload and self.ctx.device.type == "cpu":  # host IS the device: report the policy
+        if self.plan.offload and not devices.is_gpu(self.ctx.device):  # host IS the device: report the policy
             base = base._replace(cpu_offload=base.param + base.grad + base.optimizer)
         return base
 
@@ -158,7 +159,7 @@ class FsdpQLoraStrategy(QLoraStrategy):
         return {"optim": optim_facts(self.optimizer), "peft": peft,
                 "sharding": ShardingFacts(mesh_shape=list(shape), mesh_dims=list(names)),
                 "memory": MemoryFacts(offload=self.plan.offload,
-                                      offload_physical=self.plan.offload and self.ctx.device.type != "cpu")}
+                                      offload_physical=self.plan.offload and devices.is_gpu(self.ctx.device))}
 
 
 STRATEGY_CLASSES = {name: FsdpQLoraStrategy for name in VARIANTS}

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from labkit.memory.runs import ESTIMATE_FIELDS  # registry name -> the estimator's fields (notebooks 04, 05)
 from labkit.parallel import fsdp
 from labkit.train.metrics import tensor_bytes
 
@@ -98,14 +99,6 @@ def run_together(strategies, model: str, *, nproc: int = 2, stream: bool = False
 
 
 # ------------------------------------------------------------------------------------------ estimate
-#: registry name -> the `labkit.memory.MemoryConfig` fields describing its model states (FSDP by the
-#: ZeRO stage its sharding strategy equals, Zhao et al. 2023 Sec. 3.2.2).
-ESTIMATE_FIELDS = {
-    "single": dict(zero=0), "ddp": dict(zero=0), "fsdp": dict(zero=3), "fsdp-grad-op": dict(zero=2),
-    "fsdp-no-shard": dict(zero=0), "fsdp-hybrid": dict(zero=3), "fsdp-offload": dict(zero=3),
-    "zero1": dict(zero=1), "zero2": dict(zero=2), "zero3": dict(zero=3),
-    "zero3-offload": dict(zero=3, offload="optimizer+params"),
-}
 
 
 def estimate_for(record, *, node_size: int | None = None) -> dict:

@@ -232,7 +232,7 @@ class TensorStrategy(Strategy):
         # torchtitan's order: TP -> activation checkpointing -> FSDP -> compile.
         from labkit.train import levers
 
-        self.mesh = self.dims.build_mesh(self.ctx.device.type, ("dp_shard", "tp"))  # (dp, tp), tp innermost
+        self.mesh = self.dims.build_mesh(self.ctx.device, ("dp_shard", "tp"))  # (dp, tp), tp innermost
         lever = levers.apply_activation_checkpointing if self.cfg.memory.checkpointing else None
         if self.name == "tensor":
             model = apply_tensor(model, self.mesh["tp"], cfg=self.cfg)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from labkit import device as devices
 from labkit.errors import ConfigError
 from labkit.parallel import comm, loading
 from labkit.parallel.deepspeed_bytes import (count_bytes, ds_grad_tensors, ds_optimizer_tensors, ds_param_tensors,
@@ -119,6 +120,24 @@ def ds_config(cfg, stage: int, offload: bool, *, dp: int, hidden: int | None, nu
     }
 
 
+def stand_in_precision(config: dict, name: str) -> tuple[dict, str]:
+    """(the config DeepSpeed initialises with, a note for the record). A rehearsal's CPU stands in for the
+    GPU; DeepSpeed's CPU accelerator has fp16 only where oneDNN has fp16 kernels (not on this course's
+    CPUs: "Type fp16 is not supported on your device"), so a V100 profile's fp16 config runs there as
+    bf16 -- the same code paths but the loss scaler -- and the record says so. The node's config (the
+    written ds_config file, the record's dtype) stays fp16. Anywhere else: `config` unchanged, no note."""
+    if not (config["fp16"]["enabled"] and devices.standing_in()):
+        return config, ""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().is_fp16_supported():
+        return config, ""
+    note = (f"rehearsal: {name} ran bf16 in place of the node's fp16 (DeepSpeed's CPU accelerator has no fp16 "
+            "here); the loss scaler did not run")
+    return {**config, "fp16": {"enabled": False}, "bf16": {"enabled": True},
+            **({"data_types": {"buffer_dtype": "bf16"}} if "data_types" in config else {})}, note
+
+
 def write_config(config: dict, out: str | os.PathLike, strategy: str) -> Path:
     """Write `config` to OUT/ds_config_<strategy>.json (call on rank 0) and return the path."""
     path = Path(out) / f"ds_config_{strategy}.json"
@@ -159,6 +178,7 @@ class ZeroStrategy(Strategy):
         self.engine = None
         self.ds_optimizer = None
         self.config: dict = {}
+        self.stand_in_note = ""
         self.config_path: Path | None = None
         self._grad_peak = self._param_peak = (0, 0)  # (bytes on device, bytes elsewhere)
         self._hooks: list = []
@@ -189,10 +209,16 @@ class ZeroStrategy(Strategy):
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
         numel = sum(p.numel() for p in model.parameters())
         self.config = ds_config(self.cfg, self.stage, self.offload, dp=self.dp_size, hidden=hidden, numel=numel,
-                                gpu=self.ctx.device.type == "cuda", cast_buffers=self.task.kind == "vision")
+                                gpu=devices.is_gpu(self.ctx.device), cast_buffers=self.task.kind == "vision")
         if self.ctx.is_main:
             self.config_path = write_config(self.config, self.cfg.run.out, self.name)
-        self.engine, self.ds_optimizer = apply_zero(model, self.ctx.group, cfg=self.cfg, config=self.config)
+        runs, self.stand_in_note = stand_in_precision(self.config, self.name)
+        if self.stand_in_note:
+            from labkit.train import levers
+            self.precision = levers.Precision("bf16", self.ctx.device)  # evaluation's autocast matches the engine
+            if self.ctx.is_main:
+                print(self.stand_in_note)
+        self.engine, self.ds_optimizer = apply_zero(model, self.ctx.group, cfg=self.cfg, config=runs)
         # The loop sees the engine as the model and the torch optimizer DeepSpeed steps on the flat fp32
         # partitions as the optimizer (a real torch Optimizer, so memory tracking can follow it).
         self.model = self.engine
@@ -249,7 +275,7 @@ class ZeroStrategy(Strategy):
                                             ds_optimizer_tensors(self.ds_optimizer)], self.ctx.device)
         grads = max(grads, self._grad_peak, key=sum)
         params = max(params, self._param_peak, key=sum)
-        if self.ctx.device.type == "cpu":
+        if not devices.is_gpu(self.ctx.device):
             offload = sum(params) + sum(grads) + sum(optim) if self.offload else 0
             return ResidentBytes(sum(params), sum(grads), sum(optim), offload)
         return ResidentBytes(params[0], grads[0], optim[0], params[1] + grads[1] + optim[1])
@@ -278,8 +304,9 @@ class ZeroStrategy(Strategy):
                         ds_config=str(self.config_path or Path(self.cfg.run.out) / f"ds_config_{self.name}.json"),
                         ds_optimizer=type(self.optimizer).__name__),
                     memory=MemoryFacts(offload=bool(self.offload), master_copy_bytes=sum(master),
-                                       offload_physical=bool(self.offload) and self.ctx.device.type != "cpu"),
-                    comm=CommFacts.of(comm_bytes_per_step(self.stage, param_bytes, self.dp_size)))
+                                       offload_physical=bool(self.offload) and devices.is_gpu(self.ctx.device)),
+                    comm=CommFacts.of(comm_bytes_per_step(self.stage, param_bytes, self.dp_size)),
+                    **({"notes": {"stand_in_precision": self.stand_in_note}} if self.stand_in_note else {}))
 
     # ------------------------------------------------------------------ checkpoint / teardown
     def save_checkpoint(self, path: Path) -> None:

@@ -46,6 +46,8 @@ GPU_SIZES = "1K,64K,1M,16M,256M,1G"
 PLATEAU_BYTES = 256 * 2**20
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 _ELEMENT = 4  # fp32
+#: Largest message a rehearsal allocates (labkit.rehearsal): the node's 1G buffers are host RAM here.
+REHEARSAL_MAX_BYTES = 2**20
 
 
 def ring_factor(n: int) -> float:
@@ -131,10 +133,9 @@ def _call(op: str, inp, out, group) -> None:
 
 
 def _sync(device) -> None:
-    import torch
+    from labkit import device as devices
 
-    if device.type == "cuda":  # GPU path (unverified on hardware here): kernels run async on the stream
-        torch.cuda.synchronize(device)
+    devices.synchronize(device)  # GPU path (unverified on hardware here): kernels run async on the stream
 
 
 def time_collective(op: str, nbytes: int, *, group, device, warmup: int, iters: int) -> float:
@@ -168,6 +169,24 @@ def run_rank(ops, sizes, *, warmup: int, iters: int) -> list[CommMeasurement]:
                         n, backend) for op in ops for size in sizes]
 
 
+def rehearse(nproc: int, sizes: list[int], ops: list[str], *, warmup: int, iters: int, out: str | Path) -> Path:
+    """A rehearsal's `labkit bench comm` (labkit.rehearsal): rank 0 of the `nproc` ranks in this process
+    over torch's fake process group, the sizes capped at REHEARSAL_MAX_BYTES; the file is written as on
+    the node, its times are of collectives that send nothing (not measurements)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from labkit.train import stand_in
+
+    with stand_in.rank_environment(0, nproc, {}):
+        dist.init_process_group("fake", rank=0, world_size=nproc, store=FakeStore())
+        try:
+            rows = run_rank(ops, sorted({min(s, REHEARSAL_MAX_BYTES) for s in sizes}), warmup=warmup, iters=iters)
+            return save(rows, out, warmup=warmup, iters=iters)
+        finally:
+            stand_in.teardown()
+
+
 def save(rows: list[CommMeasurement], folder: str | Path, *, warmup: int, iters: int) -> Path:
     """Write `<folder>/comm_bench.json`: {"tool", "measured_at", "warmup", "iters", "measurements": [...]}."""
     path = Path(folder).expanduser() / FILE_NAME
@@ -192,8 +211,10 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    from labkit import device as devices
+
     # NCCL needs one GPU per local rank; fewer GPUs than ranks (or none) measure gloo on the CPU.
-    gpu = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpu = len(devices.gpus()) >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if gpu else "gloo")

@@ -92,7 +92,8 @@ class StepTracer:
 
     @classmethod
     def for_run(cls, cfg, ctx) -> "StepTracer":
-        check(cfg, ctx.device.type)
+        from labkit import device as devices
+        check(cfg, devices.mesh_device_type(ctx.device))
         return cls(profile_dir(cfg), window(cfg), device=ctx.device, is_main=ctx.is_main,
                    tool=getattr(getattr(cfg, "profiling", None), "trace_with", "torch"),
                    title=f"{cfg.run.strategy} {cfg.run.model} x{ctx.world_size} ({cfg.run.profile})")
@@ -106,30 +107,32 @@ class StepTracer:
         mark = torch.autograd.profiler.record_function(f"{STEP_PREFIX}{local + 1}")
         mark.__enter__()
         self._marks.append(mark)
-        if self.device.type == "cuda":
-            torch.cuda.nvtx.range_push(f"{STEP_PREFIX}{local + 1}")
+        from labkit import device as devices
+        if devices.is_gpu(self.device):
+            devices.nvtx_push(f"{STEP_PREFIX}{local + 1}")
 
     def after(self, local: int) -> None:
         if local not in self.steps or not self._marks:
             return
-        import torch
-        if self.device.type == "cuda":
-            torch.cuda.nvtx.range_pop()
+        from labkit import device as devices
+        if devices.is_gpu(self.device):
+            devices.nvtx_pop()
         self._marks.pop().__exit__(None, None, None)
         if local == self.steps[-1]:
             self._stop()
 
     def _start(self) -> None:
-        import torch
         from torch.profiler import ProfilerActivity, profile
 
-        cuda = self.device.type == "cuda"
+        from labkit import device as devices
+        cuda = devices.is_gpu(self.device)
         if cuda:
             # The allocator's own history (stack per allocation), for pytorch.org/memory_viz.
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
-            torch.cuda.profiler.start()  # nsys --capture-range=cudaProfilerApi starts here
+            devices.start_history(self.device)
+            devices.cuda_profiler(start=True)  # nsys --capture-range=cudaProfilerApi starts here
         if self.tool == "torch":
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            # CUDA activity only where CUDA is (a rehearsal's stand-in CPU has none to trace)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             self.prof = profile(activities=activities, profile_memory=True, record_shapes=True,
                                 with_stack=True)  # with_stack also records nn.Module spans
             self.prof.start()
@@ -138,19 +141,18 @@ class StepTracer:
     def _stop(self) -> None:
         if not self._recording:
             return
-        import torch
         self._recording = False
+        from labkit import device as devices
         while self._marks:  # a run stopped inside the window (deadline): close the open step
             self._marks.pop().__exit__(None, None, None)
         if self.prof is not None:
             self.prof.stop()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.profiler.stop()
+        if devices.is_gpu(self.device):
+            devices.synchronize(self.device)
+            devices.cuda_profiler(start=False)
             if self.is_main:
                 self.folder.mkdir(parents=True, exist_ok=True)
-                torch.cuda.memory._dump_snapshot(str(self.folder / "cuda_memory_snapshot.pickle"))
-            torch.cuda.memory._record_memory_history(enabled=None)
+            devices.stop_history(self.device, self.folder / "cuda_memory_snapshot.pickle" if self.is_main else None)
 
     def finish(self) -> ProfileFiles | None:
         """Stop if still recording; rank 0 writes trace, memory figure and summary. Returns the files."""

@@ -3,13 +3,16 @@
 `run(strategy='single', ...)` trains in this process (a notebook keeps its imports warm); any
 strategy that needs a process group, or `nproc > 1`, is launched under torchrun through
 `labkit.launch.run` and the record is read back from OUT/results.jsonl by its run id.
+In a rehearsal (`labkit.rehearsal`) `make_config` sizes every run at its real size first, then hands
+back the stand-in the rehearsal executes, and `run` launches it in this process over the fake group.
 Introduced in notebook 02_single_gpu.
 """
 from __future__ import annotations
 
 import uuid
 
-from labkit import parallel, results
+from labkit import parallel, rehearsal, results
+from labkit.train import stand_in
 from labkit.errors import ConfigError
 from labkit.train.checkpoint import Deadline
 from labkit.train.config import TrainConfig, from_dict, parse_deadline
@@ -17,8 +20,13 @@ from labkit.train.config import TrainConfig, from_dict, parse_deadline
 WORKER = "labkit.train.worker"
 
 
-def make_config(strategy: str, model: str, **options) -> TrainConfig:
-    """A resolved, validated TrainConfig (profile defaults filled in) with a fresh run id."""
+def make_config(strategy: str, model: str, *, rehearse_as: str | None = "run", real: bool = False,
+                **options) -> TrainConfig:
+    """A resolved, validated TrainConfig (profile defaults filled in) with a fresh run id.
+
+    Rehearsal: the run is sized at its real size and logged as `rehearse_as` (`stand_in.check_launch`;
+    None for probes that size themselves), and the stand-in config is returned (the real one with
+    `real=True`: a probe sizes that and executes `stand_in.stand_in` of it)."""
     if options.get("deadline") is None:
         # On a reserved node the lease's end is the deadline unless one is given, so a checkpoint
         # is written before the node goes away (labkit.lease: LABKIT_LEASE_END or python-chi).
@@ -35,7 +43,11 @@ def make_config(strategy: str, model: str, **options) -> TrainConfig:
         from labkit.profiling import profiler as profiling
         from labkit.profiles import get_profile
         profiling.check(cfg, get_profile(cfg.run.profile).device)
-    return cfg
+    if rehearse_as:
+        cls = parallel.strategy_class(cfg.run.strategy)
+        stand_in.check_launch(cfg, via=rehearse_as, launched=cfg.world_size > 1 or cls.needs_process_group,
+                              profile_given="profile" in options)
+    return cfg if real else stand_in.stand_in(cfg)
 
 
 def run(strategy: str, model: str, *, timeout_s: float | None = None, stream: bool = True,
@@ -51,6 +63,9 @@ def run(strategy: str, model: str, *, timeout_s: float | None = None, stream: bo
     cls = parallel.strategy_class(cfg.run.strategy)
     if cfg.world_size == 1 and not cls.needs_process_group:
         return _in_process(cfg)
+    if rehearsal.active():  # the node's launch, stood in for in this process (labkit.train.stand_in)
+        stand_in.launch([cfg], env=cls.launch_env(cfg))
+        return record_of(cfg.run.out, cfg.run.run_id)
     from labkit import launch, rank_pool
 
     # Warm ranks (labkit.rank_pool) in a notebook: the ranks of the previous run take this one if they can
@@ -76,7 +91,7 @@ def process_group(cfg: TrainConfig) -> str:
 
 def require_hardware(profile: str) -> None:
     """HardwareError in one line when this machine lacks the profile's GPUs (before any launch):
-    `labkit.envinfo.require`. CPU profiles pass without querying devices."""
+    `labkit.envinfo.require`. CPU profiles pass without querying devices; so does a rehearsal."""
     from labkit import envinfo
     envinfo.require(profile)
 

@@ -14,10 +14,14 @@ from typing import Callable
 
 import torch
 
+from labkit import device as devices
 from labkit.errors import ConfigError
 from labkit.train.metrics import free_device_memory
 
 MiB = 2 ** 20
+#: A rehearsal's probe steps at most this micro-batch on its stand-in model (the node's allocator is
+#: simulated from the estimator at the probed size; labkit.rehearsal).
+REHEARSAL_BATCH = 2  # two samples: BatchNorm trains on no fewer
 #: Probe cap: large enough that a ResNet-50 on an 80 GB GPU runs out of memory first (doubling makes
 #: the cap cost one probe per factor of 2, and the first failure ends the growth).
 DEFAULT_LIMIT = 1 << 16
@@ -66,8 +70,13 @@ def _probe_hook(model: str, profile: str, **options):
     from labkit.train.data import make_task
     from labkit.train.worker import local_context
 
-    cfg = make_config("single", model, profile=profile, **options)
-    hook = SingleStrategy("single", local_context(cfg), cfg, make_task(cfg))
+    from labkit.train import stand_in
+
+    # The real config is what a rehearsal sizes (its batch and image size are the node's); the hook
+    # executes its stand-in (the same config outside a rehearsal).
+    cfg = make_config("single", model, profile=profile, rehearse_as=None, real=True, **options)
+    small = stand_in.stand_in(cfg)
+    hook = SingleStrategy("single", local_context(small), small, make_task(small))
     hook.setup()
     return cfg, hook
 
@@ -87,10 +96,14 @@ def _step_peak(hook, cfg, b: int) -> int | None:
     """Peak bytes of one training step at micro-batch b, or None when the device ran out of memory."""
     from labkit.train.metrics import PeakMemory
 
+    from labkit import rehearsal
+    from labkit.train import stand_in
+
     device = hook.ctx.device
     peak = PeakMemory(device)
     try:
-        batch = _fake_batch(hook.task, cfg, b, device)
+        stand_in.simulate_oom(cfg.replace(batch=b))  # rehearsal: the node's allocator, from the estimator
+        batch = _fake_batch(hook.task, hook.cfg, min(b, REHEARSAL_BATCH) if rehearsal.active() else b, device)
         with peak.track(hook.model, hook.optimizer) as wrap:
             hook.train_step([batch], wrap(hook.task.loss))
         return peak.result()
@@ -114,7 +127,7 @@ def find_max_batch(model: str, *, profile: str = "smoke", budget_mb: float | Non
     """
     cfg, hook = _probe_hook(model, profile, **options)
     device = hook.ctx.device
-    if device.type == "cpu" and budget_mb is None:
+    if not devices.is_gpu(device) and budget_mb is None:
         raise ConfigError("on CPU nothing runs out of memory: pass budget_mb (e.g. --memory-budget-mb 256) "
                           "to search against a budget, or run on a GPU profile")
     budget = int(budget_mb * MiB) if budget_mb else None
@@ -143,8 +156,15 @@ def memory_breakdown(model: str, *, profile: str = "smoke", batch: int | None = 
     training step, from MemTracker (works on CPU and GPU); on GPU also `torch.cuda.memory_summary()`."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from labkit.train import stand_in
+
     cfg, hook = _probe_hook(model, profile, **options)
-    x, y = _fake_batch(hook.task, cfg, batch or cfg.optim.batch, hook.ctx.device)
+    from labkit import rehearsal
+
+    batch = batch or cfg.optim.batch
+    stand_in.simulate_oom(cfg.replace(batch=batch))  # sized at the real batch; a rehearsal executes a small one
+    x, y = _fake_batch(hook.task, hook.cfg, min(batch, REHEARSAL_BATCH) if rehearsal.active() else batch,
+                       hook.ctx.device)
     hook.train_step([(x, y)], hook.task.loss)  # first step creates the optimizer state
     tracker = MemTracker()
     tracker.track_external(hook.model, hook.optimizer)
@@ -153,8 +173,8 @@ def memory_breakdown(model: str, *, profile: str = "smoke", batch: int | None = 
     peak = tracker.get_tracker_snapshot("peak")
     out = {getattr(k, "value", str(k)): int(v) for snap in peak.values() for k, v in snap.items()}
     device = hook.ctx.device
-    if device.type == "cuda":
-        out["cuda_memory_summary"] = torch.cuda.memory_summary(device, abbreviated=True)
+    if devices.is_gpu(device):
+        out["cuda_memory_summary"] = devices.memory_summary(device)
     hook.close()
     del hook, x, y
     free_device_memory(device, reset_peak=True)

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from labkit import device as devices
+
 _AMP_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -26,12 +28,12 @@ class Precision:
     def __init__(self, amp: str, device: torch.device):
         self.amp, self.device = amp, device
         self.dtype = _AMP_DTYPE.get(amp)
-        self.scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
+        self.scaler = devices.grad_scaler(device) if amp == "fp16" else None
 
     def autocast(self):
         if self.dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
+        return devices.autocast(self.device, self.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -79,4 +81,5 @@ def apply_channels_last(model: nn.Module) -> nn.Module:
 
 def apply_compile(model: nn.Module) -> nn.Module:
     """torch.compile (TorchInductor): fuses elementwise ops; the first steps pay the compilation."""
-    return torch.compile(model)
+    from labkit import rehearsal
+    return torch.compile(model, backend=rehearsal.compile_backend())

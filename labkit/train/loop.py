@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from labkit import parallel, results
+from labkit import device as devices
+from labkit import parallel, rehearsal, results
 from labkit.profiling import profiler as profiling
 from labkit.errors import ConfigError
 from labkit.facts import TrainFacts
@@ -56,16 +57,23 @@ def configure_backends(device: torch.device) -> None:
     shape once and keeps the fastest (our shapes are fixed per run; NVIDIA's ResNet-50 reference
     numbers use it). Costs a slower first step (a warm-up step, outside the median) and bitwise
     reproducibility between runs. Unverified on hardware here: the gain is measured only on a GPU.
-    TF32 stays off (torch's default): an fp32 run is true fp32, and MFU uses the fp32 peak."""
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
+    TF32 off for matmuls AND cuDNN convolutions (torch defaults convolutions to TF32): an fp32 run is
+    true fp32, and MFU uses the fp32 peak (`labkit.device.configure`)."""
+    devices.configure(device, tf32=False, cudnn_benchmark=True)
 
 
 def train(cfg, ctx):
-    """Run `cfg` on this rank (`ctx`); returns the RunRecord on rank 0, None elsewhere."""
+    """Run `cfg` on this rank (`ctx`); returns the RunRecord on rank 0, None elsewhere.
+
+    The meshes the run built are destroyed with it: their NCCL communicators hold GPU memory the
+    allocator's peak does not show, and a launch that runs several configs would keep them all."""
     cfg = cfg.resolve()
-    with memcap.applied(cfg.memory.memory_cap_gb, ctx.device):  # --memory-cap-gb on CUDA: the allocator's limit
-        return _train(cfg, ctx)
+    meshes = devices.mesh_count()
+    try:
+        with memcap.applied(cfg.memory.memory_cap_gb, ctx.device):  # --memory-cap-gb on CUDA: the allocator's limit
+            return _train(cfg, ctx)
+    finally:
+        devices.release_meshes(meshes)
 
 
 def _train(cfg, ctx):
@@ -84,7 +92,7 @@ def _train(cfg, ctx):
         train_set, held_out = build_datasets(cfg, task)
         loader = StepLoader(train_set, global_batch=cfg.optim.batch, dp_rank=hook.dp_rank, dp_size=hook.dp_size,
                             seed=cfg.run.seed, workers=cfg.run.workers, start_step=len(progress.prior_losses),
-                            pin_memory=ctx.device.type == "cuda")
+                            pin_memory=devices.pin_memory(ctx.device))
         start_eval = _evaluate_at_start(cfg, ctx, hook, held_out)  # --eval-at-start: the held-out loss before
         peak = metrics.PeakMemory(ctx.device)
         tracer = profiling.StepTracer.for_run(cfg, ctx)  # --trace-steps N: torch.profiler over N steps
@@ -146,8 +154,7 @@ def _run_steps(cfg, ctx, hook, task, loader, ckpt, deadline, progress, peak, tra
         counted = measure_flops and not cfg.precision.compile  # a compiled graph hides its ops from FlopCounterMode
         with _measurement(local, counted, hook, peak, progress.flops, cfg.run.steps - start) as loss_fn:
             loss = hook.train_step(micro, loss_fn(task.loss))
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)  # CUDA is asynchronous: time the work, not the launch
+        devices.synchronize(ctx.device)  # CUDA is asynchronous: time the work, not the launch
         progress.times.append(time.perf_counter() - t0)
         progress.cpu_times.append(time.process_time() - c0)
         if local == FLOPS_STEP and measure_flops and cfg.precision.compile:  # outside the timed step
@@ -258,7 +265,8 @@ def _record(cfg, ctx, hook, task, progress, gathered, dataset_size, ckpt):
         steps=len(losses), losses=losses, step_time_s=step_time, samples_per_s=samples_per_s,
         peak_bytes=[g["peak"] for g in gathered], param_bytes=list(per_rank[0]), grad_bytes=list(per_rank[1]),
         optimizer_bytes=list(per_rank[2]), cpu_offload_bytes=list(per_rank[3]),
-        trainable_params=hook.trainable_params(), device=ctx.device.type, dtype=AMP_DTYPES[cfg.precision.amp],
+        trainable_params=hook.trainable_params(), device=devices.mesh_device_type(ctx.device),
+        dtype=AMP_DTYPES[cfg.precision.amp], rehearsal=rehearsal.active(),
         global_batch=cfg.optim.batch, tokens_per_s=samples_per_s * task.tokens_per_sample,
         mfu=metrics.mfu(flops, step_time, ctx.world_size, peak_tf), train=train, **hook.record_facts())
 

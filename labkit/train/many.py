@@ -43,7 +43,8 @@ def run_many(runs: list, model: str, *, nproc: int = 2, out: str = "runs", strea
     with no runs the launch does only that, under a 'ddp' config of `model` and `options`.
     The time limit is the profile's per run unless `timeout_s` is given.
     """
-    from labkit import launch, parallel, rank_pool
+    from labkit import launch, parallel, rank_pool, rehearsal
+    from labkit.train import stand_in
     from labkit.profiles import get_profile
     from labkit.train.api import make_config, process_group, record_of, require_hardware
 
@@ -60,6 +61,10 @@ def run_many(runs: list, model: str, *, nproc: int = 2, out: str = "runs", strea
         path, spec = before
         _resolve(path)  # a wrong path fails here, not on every rank after the launch
         args += ["--before", path, "--before-json", json.dumps(spec)]
+    if rehearsal.active():  # the node's launch, stood in for in this process (labkit.train.stand_in)
+        hook = dict(first=first, before=before[0], spec=before[1]) if before else {"first": first}
+        stand_in.launch(configs, first=first, env=env, train_all=lambda cfgs, ctx: train_all(cfgs, ctx, **hook))
+        return [record_of(cfg.run.out, cfg.run.run_id) for cfg in configs]
     limit = timeout_s or get_profile(first.run.profile).timeout_s * max(1, len(configs))
     heavy = any(cfg.run.strategy in launch.CPU_HEAVY_STRATEGIES for cfg in configs)
     rank_pool.run(ENTRY, args, nproc=nproc, timeout_s=limit, env=env, stream=stream,
@@ -83,11 +88,13 @@ def train_all(configs: list, ctx, *, first=None, before: str = "", spec=None) ->
     Between runs the previous run's model, optimizer and engine are collected and (on CUDA) the
     allocator's cache emptied and its peak reset: otherwise a later run starts on a device still
     holding the earlier runs' state, and its peak (and an OOM) would include them."""
+    from labkit.device import release_meshes
     from labkit.train.loop import train
     from labkit.train.metrics import free_device_memory
 
     if before:
         _resolve(before)(spec, first or configs[0], ctx)
+        release_meshes()  # the hook's meshes and their (NCCL) groups are not the runs'
         free_device_memory(ctx.device, reset_peak=True)
     for cfg in configs:
         train(cfg, ctx)

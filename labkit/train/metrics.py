@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from labkit import device as devices
 from labkit.errors import ConfigError
 
 #: Dense peak TFLOPS per GPU (no 2:4 sparsity) by (name fragment, compute dtype), from the vendors' data
@@ -80,7 +81,7 @@ def resident_bytes(model: torch.nn.Module, optimizer, device: torch.device) -> R
     g_here, g_away = tensor_bytes([p.grad for p in params if p.grad is not None], device)
     states = [v for s in (optimizer.state.values() if optimizer else []) for v in s.values()]
     o_here, o_away = tensor_bytes(states, device)
-    offload = (p_away + g_away + o_away) if device.type != "cpu" else 0
+    offload = (p_away + g_away + o_away) if devices.is_gpu(device) else 0
     return ResidentBytes(p_here, g_here, o_here, offload)
 
 
@@ -92,14 +93,12 @@ def free_device_memory(device: torch.device | str | None = None, *, reset_peak: 
     On CPU only the collection does anything. Unverified on hardware here: the CUDA calls are
     documented torch.cuda memory-management APIs, tested on CPU with stand-ins."""
     gc.collect()
-    device = torch.device(device) if device is not None else None
-    if device is None:
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+    device = torch.device(device) if device is not None else devices.default()
+    if devices.is_gpu(device):
+        devices.synchronize(device)
+        devices.empty_cache(device)
         if reset_peak:
-            torch.cuda.reset_peak_memory_stats(device)
+            devices.reset_peak(device)
 
 
 class PeakMemory:
@@ -108,13 +107,13 @@ class PeakMemory:
 
     def __init__(self, device: torch.device):
         self.device, self.peak = device, 0
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        if devices.is_gpu(device):
+            devices.reset_peak(device)
 
     @contextlib.contextmanager
     def track(self, model: torch.nn.Module, optimizer):
         """Context yielding `wrap(loss_fn)`: use the wrapped loss function inside the tracked step."""
-        if self.device.type == "cuda":
+        if devices.is_gpu(self.device):
             yield lambda loss_fn: loss_fn
             return
         # The memory lab's tracker: device-level peaks only (fast), and safe with frozen parameters
@@ -140,8 +139,8 @@ class PeakMemory:
         self.peak = max(self.peak, sum(d.get("Total", 0) for d in snap.values()))
 
     def result(self) -> int:
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
+        if devices.is_gpu(self.device):
+            return devices.max_memory_allocated(self.device)
         return int(self.peak)
 
 
@@ -253,21 +252,21 @@ def peak_for(gpu_name: str, dtype: str, *, tf32: bool = False, fallback: float =
 
 
 def tf32_enabled() -> bool:
-    """True if fp32 matmuls may run as TF32 (torch.set_float32_matmul_precision "high"/"medium")."""
-    return torch.get_float32_matmul_precision() != "highest"
+    """True if fp32 matmuls or cuDNN convolutions may run as TF32 (`labkit.device.tf32_enabled`)."""
+    return devices.tf32_enabled()
 
 
 def peak_tflops(device: torch.device, dtype: str, fallback: float = 0.0) -> float:
     """Dense peak TFLOPS of this GPU at `dtype` (0 on CPU: MFU is not defined there).
     Unverified on hardware: the device names the SKU table matches are from NVIDIA's naming, not read
     from our nodes; `labkit preflight` prints `device_name` so a mismatch shows up as MFU 0."""
-    if device.type != "cuda":
+    if not devices.is_gpu(device):
         return 0.0
-    return peak_for(torch.cuda.get_device_name(device), dtype, tf32=tf32_enabled(), fallback=fallback)
+    return peak_for(devices.device_name(device), dtype, tf32=tf32_enabled(), fallback=fallback)
 
 
 def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return devices.device_name(device)
 
 
 def mfu(flops_per_step: float, step_time_s: float, world_size: int, peak: float) -> float:

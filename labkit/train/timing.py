@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from labkit import device as devices
+
 
 class WorkClock:
     """Intervals of device work in seconds of `time.perf_counter()`.
@@ -25,9 +27,9 @@ class WorkClock:
 
     def __init__(self, device: torch.device | str = "cpu", *, event_factory=None):
         self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
+        self.cuda = devices.is_gpu(self.device)
         # Unverified on hardware here: the CUDA path is tested on CPU with a stand-in event class.
-        self._event = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
+        self._event = event_factory or devices.timing_event
         self._origin = None
         self._origin_s = 0.0
 
@@ -42,7 +44,7 @@ class WorkClock:
         """Mark the origin: on CUDA, wait for the device to be idle so the origin event's GPU time and
         its perf_counter time are the same instant."""
         if self.cuda:
-            torch.cuda.synchronize(self.device)
+            devices.synchronize(self.device)
             self._origin = self._now()
             self._origin_s = time.perf_counter()
 
@@ -56,6 +58,6 @@ class WorkClock:
         """The (t0, t1) seconds of each `stop()` result; on CUDA one synchronize for all of them."""
         if not self.cuda:
             return [(float(a), float(b)) for a, b in pending]
-        torch.cuda.synchronize(self.device)
+        devices.synchronize(self.device)
         origin, base = self._origin, self._origin_s
         return [(base + origin.elapsed_time(a) / 1e3, base + origin.elapsed_time(b) / 1e3) for a, b in pending]

@@ -15,10 +15,10 @@ import datetime as _dt
 import os
 import sys
 
-import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from labkit import device as devices
 from labkit.parallel.single import DistContext
 from labkit.profiles import get_profile
 from labkit.train.config import TrainConfig
@@ -35,19 +35,14 @@ def join_group(profile: str) -> DistContext:
     prof = get_profile(profile)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if prof.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(prof.backend, rank=rank, world_size=world,
-                            timeout=_dt.timedelta(seconds=prof.timeout_s),
-                            device_id=device if device.type == "cuda" else None)
-    return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, group=dist.group.WORLD)
+    device, group = devices.join_group(prof, rank, world, local_rank=local_rank, timeout_s=prof.timeout_s)
+    return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, group=group)
 
 
 def local_context(cfg: TrainConfig) -> DistContext:
     """The context of an in-process, single-device run (no process group)."""
-    device = torch.device("cuda", 0) if get_profile(cfg.run.profile).device == "cuda" else torch.device("cpu")
-    return DistContext(rank=0, world_size=1, local_rank=0, device=device, group=None)
+    return DistContext(rank=0, world_size=1, local_rank=0, device=devices.for_rank(get_profile(cfg.run.profile)),
+                       group=None)
 
 
 def parse_job(argv: list[str]):

@@ -25,8 +25,13 @@ def main(workdir: str, parent: int) -> int:
     work = Path(workdir)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
-        fn, args = cloudpickle.loads((work / "payload.pkl").read_bytes())
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        fn, args, profile = cloudpickle.loads((work / "payload.pkl").read_bytes())
+        if profile is None:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+        else:  # the profile's backend and this rank's device (labkit.device; a rehearsal: gloo on CPU)
+            from labkit import device as devices
+            from labkit.profiles import get_profile
+            devices.join_group(get_profile(profile), rank, world, local_rank=rank)
         try:
             result = fn(rank, world, *args)
         finally:

@@ -52,6 +52,16 @@ def train_llm(rank: int, world: int, strategy: str, model: str, *,
     return {"losses": (mean / world).tolist(), "params": sum(p.numel() for p in params)}
 
 
+def mesh(profile: str, world: int):
+    """The 1-D DeviceMesh over the `world` ranks of a `spawn(..., profile=...)` job, of this rank's device
+    type (cuda on a GPU node, cpu in smoke): what a hand-written FSDP shards over, on the device
+    `library_parts` put the model on (`labkit.device.mesh`)."""
+    from labkit import device as devices
+    from labkit.profiles import get_profile
+
+    return devices.mesh(devices.for_rank(get_profile(profile), dist.get_rank()), (world,))
+
+
 def state_bytes(obj, seen: set | None = None) -> int:
     """Bytes of every tensor reachable from `obj` (tensors, optimizers with their states and params,
     dicts, lists), each storage counted once: what a ZeRO-1 state dict costs a rank."""

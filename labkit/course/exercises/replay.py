@@ -33,6 +33,7 @@ def library_parts(strategy: str, model: str, *, dp_rank: int = 0, dp_size: int =
 
     `device` defaults to the profile's: CPU, or cuda:<dp_rank> on a GPU profile (one GPU per rank;
     unverified on hardware here)."""
+    from labkit import device as devices
     from labkit.models import build_model
     from labkit.optim import build_optimizer
     from labkit.profiles import get_profile
@@ -41,12 +42,12 @@ def library_parts(strategy: str, model: str, *, dp_rank: int = 0, dp_size: int =
     from labkit.train.loop import seed_everything
 
     nproc = options.pop("nproc", dp_size)
-    cfg = make_config(strategy, model, nproc=nproc, **options)
-    if device is None:
-        device = torch.device("cuda", dp_rank) if get_profile(cfg.run.profile).device == "cuda" else torch.device("cpu")
+    cfg = make_config(strategy, model, nproc=nproc, rehearse_as="library_parts", **options)
+    if device is None:  # this rank's GPU (labkit.device: a rehearsal records it and computes on the CPU)
+        device = devices.for_rank(get_profile(cfg.run.profile), dp_rank)
     seed_everything(cfg.run.seed)  # what the loop does first
     task = make_task(cfg)
-    net = build_model(cfg.run.model, seed=cfg.run.seed).to(device)
+    net = devices.place(build_model(cfg.run.model, seed=cfg.run.seed), device)
     optimizer = build_optimizer(cfg.optim.optimizer or "adamw", [p for p in net.parameters() if p.requires_grad], cfg.optim.lr)
     train_set, _ = build_datasets(cfg, task)
     loader = StepLoader(train_set, global_batch=cfg.optim.batch, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.run.seed,

@@ -3,6 +3,10 @@
 Each process gets a gloo process group already initialised (env rendezvous on a free loopback port,
 `OMP_NUM_THREADS=1`) and calls `fn(rank, world, *args)`; `spawn` returns the per-rank return values.
 `fn` travels by value (cloudpickle), so a function defined in a notebook cell or a test file works.
+With `profile=` the ranks join the way that profile's runs do (`labkit.device.join_group`): on a GPU
+profile rank r computes on cuda:r over NCCL (so a student's function meets the model `library_parts`
+put on cuda:r with a group and meshes of the same device), and a world larger than the node's GPUs
+is refused before anything starts; a rehearsal records that and runs gloo on CPU.
 A rank that raises -> `ExerciseError` naming the rank and the error (the other ranks are killed: they
 would wait in a collective forever); a run that outlives `timeout` -> killed, `ExerciseError` says so.
 Every rank is its own session leader with the parent-death signal set, and is killed with its group, so
@@ -11,7 +15,7 @@ A process that spawns many times runs inside `warm_ranks()` (the grader's proces
 test of the solution and of each mutant), and so does a Jupyter kernel (a notebook's checks and comparisons):
 there ranks are forked from a forkserver that imported torch once, instead of each rank importing it again
 (seconds of CPU per rank); each spawn still gets pristine forked ranks.
-GPU profiles may later use nccl with one GPU per rank; that branch is not written (CPU/gloo only).
+Unverified on hardware here: the NCCL ranks of a GPU profile (the rehearsal runs their code on gloo).
 Introduced in notebook 03_ddp.
 """
 from __future__ import annotations
@@ -250,6 +254,45 @@ def _rank_error(rank: int, work: Path, code: int | None) -> ExerciseError:
                          rank=rank, traceback=out)
 
 
+def _check_gpus(profile: str, world: int) -> None:
+    """ExerciseError before any rank starts when a GPU profile's node has fewer GPUs than `world`."""
+    from labkit.profiles import get_profile
+
+    prof = get_profile(profile)
+    if prof.device == "cuda" and world > prof.nproc:
+        raise ExerciseError(f"spawn(world={world}) on profile {prof.name!r}: the node has {prof.nproc} GPU(s), one per "
+                            f"rank; use world={prof.nproc} or fewer")
+
+
+def _rehearse(fn: Callable, world: int, args: tuple, profile: str | None) -> list | None:
+    """A rehearsal's spawn (labkit.rehearsal). With a profile: every rank's `fn` in turn in this process,
+    over torch's fake process group, on the device the node gives it (`labkit.device.join_group`, which
+    records cuda:r and nccl). Without one the ranks are CPU processes on every profile -- nothing differs
+    from the smoke run that executes them -- so a rehearsal skips them: the cell sees "not attempted"."""
+    from labkit import device as devices
+    from labkit.profiles import get_profile
+    from labkit.train import stand_in
+
+    name = getattr(fn, "__name__", repr(fn))
+    if profile is None:
+        print(f"rehearsal: spawn({name}) runs CPU ranks on every profile, as in smoke; not re-run here")
+        return None
+    results = []
+    for rank in range(world):
+        with stand_in.rank_environment(rank, world, {}):
+            try:
+                devices.join_group(get_profile(profile), rank, world, local_rank=rank, fake=True)
+                results.append(fn(rank, world, *args))
+            except Exception as exc:  # noqa: BLE001 - reported like a failed rank
+                import traceback
+                raise ExerciseError(f"rank {rank} raised {type(exc).__name__}: {exc}", rank=rank,
+                                    traceback=traceback.format_exc(),
+                                    not_attempted=isinstance(exc, NotImplementedError)) from exc
+            finally:
+                stand_in.teardown()
+    return results
+
+
 #: Launches tried when the rendezvous port was taken before rank 0 bound it.
 _PORT_TRIES = 3
 
@@ -265,9 +308,10 @@ def _port_taken(work: Path, world: int) -> bool:
 
 
 def spawn(fn: Callable, world: int = 2, args: tuple = (), timeout: float = DEFAULT_TIMEOUT_S,
-          imports: tuple[str, ...] = ()) -> list:
-    """Run `fn(rank, world, *args)` on `world` gloo ranks; the list of per-rank return values. `imports`:
-    modules `fn` imports that warm ranks should find imported (their forkserver imports them once)."""
+          profile: str | None = None, imports: tuple[str, ...] = ()) -> list:
+    """Run `fn(rank, world, *args)` on `world` ranks (gloo on CPU, or `profile`'s devices and backend);
+    the list of per-rank return values. `imports`: modules `fn` imports that warm ranks should find
+    imported (their forkserver imports them once)."""
     import cloudpickle
 
     from labkit.launch import free_port
@@ -276,10 +320,15 @@ def spawn(fn: Callable, world: int = 2, args: tuple = (), timeout: float = DEFAU
         raise ValueError(f"spawn world={world!r}; it must be a positive integer (2 in smoke)")
     if not timeout > 0:
         raise ValueError(f"spawn timeout={timeout!r}; it must be > 0 seconds")
+    if profile is not None:
+        _check_gpus(profile, world)
+    from labkit import rehearsal
+    if rehearsal.active():
+        return _rehearse(fn, world, tuple(args), profile)
     name = getattr(fn, "__name__", repr(fn))
     with tempfile.TemporaryDirectory(prefix="labkit-spawn-") as tmp:
         work = Path(tmp)
-        (work / "payload.pkl").write_bytes(cloudpickle.dumps((fn, tuple(args))))
+        (work / "payload.pkl").write_bytes(cloudpickle.dumps((fn, tuple(args), profile)))
         for attempt in range(_PORT_TRIES):
             # free_port() is free a moment ago; another job can take it before rank 0 binds it (EADDRINUSE):
             # then the ranks start again on a new port, as torchrun's rendezvous would.

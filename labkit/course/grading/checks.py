@@ -139,14 +139,18 @@ def relation(name: str, points: float, predicate: Callable[[Evidence], Outcome |
     return Check(name, points, fn, "relation", visible, reads)
 
 
-def losses_agree(key: str, base: str, rtol: float):
-    """Predicate: run `key` has `base`'s losses step for step (sharding moves bytes, not the math)."""
+def losses_agree(key: str, base: str, rtol: float | dict[str, float]):
+    """Predicate: run `key` has `base`'s losses step for step (sharding moves bytes, not the math).
+    `rtol` is one tolerance, or one per dtype of run `key` ({"float32": 1e-3, "bfloat16": 0.02, ...}):
+    16-bit runs round differently under another schedule or sharding."""
     def pred(ev: Evidence):
-        a, b = ev.run(key).losses, ev.run(base).losses
+        run = ev.run(key)
+        a, b = run.losses, ev.run(base).losses
         if not a or len(a) != len(b):
             return False, f"{key} has {len(a)} losses, {base} {len(b)}; run both with the same steps"
+        tol = rtol.get(run.dtype, min(rtol.values())) if isinstance(rtol, dict) else rtol
         worst = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
-        return worst <= rtol, f"{key} vs {base}: largest relative loss difference {worst:.2e}"
+        return worst <= tol, f"{key} vs {base}: largest relative loss difference {worst:.2e} (allowed {tol:g})"
     return pred
 
 

@@ -17,7 +17,9 @@ from labkit.course.grading.checks import Check, CheckResult
 from labkit.course.grading.evidence import IDENTITY_KEY, Evidence, identity
 
 GRADED, ERROR, TIMEOUT, INVALID, TAMPERED = "graded", "error", "timeout", "invalid", "tampered"
-STATUSES = (GRADED, ERROR, TIMEOUT, INVALID, TAMPERED)
+#: A notebook executed as a rehearsal (labkit.rehearsal): stand-in models on CPU, nothing measured.
+REHEARSAL = "rehearsal"
+STATUSES = (GRADED, ERROR, TIMEOUT, INVALID, TAMPERED, REHEARSAL)
 #: Largest submitted notebook read into memory (a few figures make a course notebook ~1-5 MB).
 DEFAULT_MAX_BYTES = 50 * 2**20
 
@@ -123,6 +125,10 @@ def grade_notebook(nb, notebook: str, checks: Sequence[Check], *, student: str =
     max_score = float(sum(c.points for c in checks))
     try:
         check_identity(nb, notebook)
+        rehearsed = tamper.rehearsed(nb)
+        if rehearsed:
+            raise SubmissionProblem(REHEARSAL, f"{rehearsed}: a rehearsal's stand-in results are not measurements; "
+                                    "execute the notebook on the node (or in smoke) and submit that")
         reasons = tamper.problems(nb) if integrity else []
         if reasons:
             raise SubmissionProblem(TAMPERED, join_reasons(reasons))

@@ -116,9 +116,13 @@ def _versions() -> tuple[tuple[str, str], ...]:
 
 def environment(world_size: int = 1) -> dict[str, Any]:
     """The environment part of a seal: device name and count, world size, stack versions."""
+    from labkit import rehearsal
+
     name, count = device()
-    return {"device": name, "device_count": count, "world_size": int(world_size),
-            "versions": dict(_versions())}
+    env = {"device": name, "device_count": count, "world_size": int(world_size), "versions": dict(_versions())}
+    if rehearsal.active():  # a rehearsal's results are never graded (labkit.course.grading.tamper.rehearsed)
+        env["rehearsal"] = True
+    return env
 
 
 def _digest(body: dict[str, Any], text: str | None, fp: dict[str, Any]) -> str:

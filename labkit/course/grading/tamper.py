@@ -120,6 +120,17 @@ def payload_problems(rec: Recorded, cell, number: int) -> list[str]:
     return out
 
 
+def rehearsed(nb) -> str | None:
+    """'cell N: run|answer KEY' of the first payload a rehearsal recorded (labkit.rehearsal), else None.
+    The seal's environment says so (and its digest covers it), and so does a rehearsal's RunRecord."""
+    for rec in collect(nb):
+        fp = rec.payload.get("fingerprint") or {}
+        record = rec.payload.get("record") if isinstance(rec.payload.get("record"), dict) else {}
+        if (fp.get("env") or {}).get("rehearsal") or record.get("rehearsal"):
+            return f"cell {cell_number(nb, rec.cell)}: {rec.kind or 'result'} {rec.key!r}"
+    return None
+
+
 def problems(nb, *, seals_only: bool = False) -> list[str]:
     """All integrity problems of a notebook's labkit payloads. `seals_only` keeps just forged or edited
     seals (what still matters when the notebook will be re-executed anyway)."""

@@ -13,6 +13,9 @@ from labkit.course.grading.evidence import CheckFailed, Evidence
 
 NOTEBOOK = "09_beyond_3d"
 GPU_COUNTS = (64, 128, 256, 512, 1024)
+#: Relative loss agreement by the runs' dtype: fp32 pipelines / CP / EP match the single process to ~1e-6;
+#: 16-bit runs round differently per schedule and sharding (notebook 07's checks allow 0.02 the same way).
+LOSS_RTOL = {"float32": 1e-3, "bfloat16": 0.02, "float16": 0.02}
 
 
 def _bus_factors(ev: Evidence):
@@ -106,18 +109,18 @@ CHECKS = (
     cell_ran("every cell ran without error", 1),
     figure_present("bandwidth, schedule and budget figures shown", 1),
     relation("interleaved 1F1B trains with the single process's losses", 1,
-             losses_agree("interleaved", "single", 1e-3), reads=(("run", "interleaved"), ("run", "single"))),
+             losses_agree("interleaved", "single", LOSS_RTOL), reads=(("run", "interleaved"), ("run", "single"))),
     relation("zero-bubble trains with the single process's losses", 1,
-             losses_agree("zero_bubble", "single", 1e-3), reads=(("run", "zero_bubble"), ("run", "single"))),
+             losses_agree("zero_bubble", "single", LOSS_RTOL), reads=(("run", "zero_bubble"), ("run", "single"))),
     relation("the zero-bubble schedule splits the backward", 1, _zero_bubble_splits_backward,
              reads=(("run", "zero_bubble"),)),
     relation("9.1 bus-bandwidth factors of every collective", 3, _bus_factors, reads=(("answer", "09.bus_factors"),)),
     answer_close("9.2 bubble of interleaved 1F1B at p=4, v=2, m=8", 2, "09.bubble_interleaved_p4_m8",
                  bubble_interleaved, rtol=0.01),
     relation("context-parallel trains with the single process's losses", 1,
-             losses_agree("context_parallel", "single", 1e-3), reads=(("run", "context_parallel"), ("run", "single"))),
+             losses_agree("context_parallel", "single", LOSS_RTOL), reads=(("run", "context_parallel"), ("run", "single"))),
     relation("expert-parallel trains with the single process's losses on tiny-moe", 1,
-             losses_agree("expert_parallel", "moe_single", 1e-3),
+             losses_agree("expert_parallel", "moe_single", LOSS_RTOL),
              reads=(("run", "expert_parallel"), ("run", "moe_single"))),
     relation("each expert-parallel rank holds 1/N of the expert weights", 1, _ep_holds_a_share,
              reads=(("run", "expert_parallel"),)),
