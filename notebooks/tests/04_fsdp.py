@@ -91,8 +91,12 @@ SHARDED = {"grads": {str: Tensor("float32")}, "not_dtensor": [str], "not_sharded
            "compute": {str: str}, "masters": [str], "bf16_error": str}
 
 
+#: Imported by the forkserver of warm ranks once, not by every rank (4-5 s of CPU each).
+LLAMA = ("transformers.models.llama.modeling_llama",)
+
+
 def _sharded(student):
-    return student.spawn(_shard_harness, world=2, returns=SHARDED, share=True, timeout=180)
+    return student.spawn(_shard_harness, world=2, returns=SHARDED, share=True, timeout=180, imports=LLAMA)
 
 
 @case("shard_model", points=2)

@@ -80,15 +80,18 @@ class Student:
         return self._ask({"op": "run", "harness": harness, "args": args, "kwargs": kwargs}, label, returns)
 
     def spawn(self, harness: Callable, *, world: int = 2, args: tuple = (), returns,
-              timeout: float = SPAWN_TIMEOUT_S, share: bool = False) -> list:
+              timeout: float = SPAWN_TIMEOUT_S, share: bool = False, imports: tuple[str, ...] = ()) -> list:
         """`harness(rank, world, <id>, *args)` on `world` gloo ranks on the student's side; the per-rank
         return values, each checked against `returns`. `share=True`: the tests of this student that spawn
         the same (harness, world, args) share one run (its values, or what it raised), so one spawn serves
-        several tests, each worth its own points."""
+        several tests, each worth its own points. `imports`: heavy modules the harness imports (say
+        "transformers.models.llama.modeling_llama": seconds per rank); warm ranks fork with them imported."""
         if not isinstance(world, int) or isinstance(world, bool) or world < 1:
             raise ValueError(f"spawn world={world!r}; it must be a positive integer")
         label = f"{self.exercise} on {world} ranks in {getattr(harness, '__name__', 'harness')}"
         request = {"op": "spawn", "harness": harness, "world": world, "args": tuple(args), "timeout": float(timeout)}
+        if imports:
+            request["imports"] = tuple(str(m) for m in imports)
         values = self._shared(request, label) if share else self._ask(request, label, [ANY])
         if len(values) != world:
             raise ReturnTypeError(f"{label} returned {len(values)} results for {world} ranks")

@@ -74,7 +74,7 @@ def three_ranks_three_blocks(student):
     import torch
 
     want = reference(_grads, 3)
-    for rank, out in enumerate(student.spawn(_fsdp_harness, world=3, timeout=180,
+    for rank, out in enumerate(student.spawn(_fsdp_harness, world=3, timeout=180, imports=visible.LLAMA,
                                              returns={"grads": {str: Tensor("float32")}, "units": [bool]})):
         assert out["units"] == [True] * 4, (rank, out["units"])
         assert set(out["grads"]) == set(want), rank
