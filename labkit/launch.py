@@ -18,6 +18,7 @@ Introduced in notebook 03_ddp.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob
 import hashlib
 import json
@@ -33,6 +34,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from labkit import rank_guard
 from labkit.errors import ConfigError, LaunchError
@@ -44,6 +46,22 @@ INTERRUPT_GRACE_S = 1.5
 #: Ranks start as `python -m RANK_ENTRY MODULE ARGS` (parent-death guard + quiet imports, then MODULE).
 RANK_ENTRY = "labkit.rank_guard"
 _POLL_S = 0.1
+
+
+@contextlib.contextmanager
+def environ(**values: str) -> Iterator[None]:
+    """Set environment variables (for the kernel papermill starts: it inherits ours; for a rehearsal's
+    in-process rank), then restore them."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
 
 
 @dataclass(frozen=True)
