@@ -69,7 +69,7 @@ def check(cap_gb: float | None, peak_bytes: int, *, what: str = "one training st
 
 #: The scenario's GPU: an RTX 4090, 24 GiB = 24,564 MiB as nvidia-smi shows it -- the same capacity the
 #: notebook's "fits in 24 GB" table uses (`labkit.memory.report.GPU_CAPACITIES`), so the cap the runs
-#: train under and the table agree (issue #25, finding 10: a 24e9 B cap against a 24 GiB table).
+#: train under and the table agree (issue #25, finding 10: a cap of 24 billion bytes against a 24 GiB table).
 SCENARIO_GPU = "RTX 4090 24GB"
 _ESTIMATOR_PRECISION = {"float32": ("fp32", "fp32"), "bfloat16": ("mixed-bf16", "bf16"),
                         "float16": ("mixed-fp16", "fp16")}
