@@ -42,7 +42,8 @@ class NotebookRun:
     name: str
     """Notebook file name without `.ipynb`, e.g. '01_memory'."""
     status: str
-    """'ok' or 'failed'."""
+    """'ok', 'failed', or 'stopped': the lab needs more GPUs than the profile has and said so in its first
+    cell (`labkit.hosted.require_gpus`, e.g. a 2-GPU lab on Colab's one T4) -- counted as ok."""
     seconds: float
     output: Path
     """The executed copy; written in both cases."""
@@ -59,7 +60,7 @@ class NotebookRun:
 
     @property
     def ok(self) -> bool:
-        return self.status == "ok"
+        return self.status in ("ok", "stopped")
 
     def cells(self) -> dict[int, int]:
         """{execution count: source cell index} of the executed copy (`source_cells`)."""
@@ -68,6 +69,8 @@ class NotebookRun:
     def describe(self) -> str:
         """One line naming the notebook, and for a failure the cell, the error and the executed copy."""
         kind = f"rehearsal {self.profile} " if self.rehearsal_log else ""
+        if self.status == "stopped":
+            return f"{self.name}: {kind}stopped in {self.seconds:.1f} s: {self.evalue}"
         if self.ok:
             return f"{self.name}: {kind}ok in {self.seconds:.1f} s"
         where = "before any cell ran" if self.cell is None else f"at cell {self.cell}" + (
@@ -244,6 +247,9 @@ def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: st
                                ename="RehearsalError", evalue=found[0], rehearsal_log=log, profile=profile)
     if not fail:
         return NotebookRun(src.stem, "ok", seconds, out, rehearsal_log=log, profile=profile)
+    if fail["ename"] == "NeedsMoreGPUs":  # labkit.hosted.require_gpus: where to run the lab instead, not a failure
+        return NotebookRun(src.stem, "stopped", seconds, out, ename=fail["ename"], evalue=_ANSI.sub("", fail["evalue"]),
+                           rehearsal_log=log, profile=profile)
     cell, count = _failing_cell(out, fail["index"]) if out.exists() else (None, None)
     return NotebookRun(src.stem, "failed", seconds, out, cell=cell, exec_count=count, ename=fail["ename"],
                        evalue=_ANSI.sub("", fail["evalue"]), traceback=_ANSI.sub("", fail["tb"]),
@@ -273,7 +279,7 @@ def format_runs(runs: Sequence[NotebookRun]) -> str:
     """Fixed-width table: notebook, status, seconds, failing cell and error."""
     rows = [("notebook", "status", "seconds", "failure")]
     for r in runs:
-        failure = "" if r.ok else f"cell {r.cell}: {r.ename}: {r.evalue}"[:100]
+        failure = r.evalue[:100] if r.status == "stopped" else "" if r.ok else f"cell {r.cell}: {r.ename}: {r.evalue}"[:100]
         rows.append((r.name, r.status, f"{r.seconds:.1f}", failure))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     return "\n".join(f"{a.ljust(widths[0])}  {b.ljust(widths[1])}  {c.rjust(widths[2])}  {d}".rstrip()
