@@ -100,3 +100,15 @@ def test_t4_profiles_are_fp16_t4s_with_the_same_sizes():
     assert (one.nproc, two.nproc) == (1, 2) and one.dtype == two.dtype == "float16"
     assert one.gpu_name == "Tesla T4" and one.gpu_memory_gb == 16.0 and one.backend == "nccl"
     assert (one.image_batch, one.llm_batch, one.seq_len) == (two.image_batch, two.llm_batch, two.seq_len)
+
+
+@pytest.mark.slow  # starts a kernel
+def test_a_two_gpu_lab_rehearsed_on_colab_stops_cleanly(tmp_path):
+    from labkit.course import notebooks as nbk
+
+    run = nbk.run_notebook(ROOT / "notebooks" / "03_ddp.ipynb", profile="t4x1", out_dir=tmp_path, rehearse=True)
+    assert run.status == "stopped" and run.ok and "Kaggle's T4 x2" in run.evalue, run.describe()
+    assert "stopped" in run.describe() and "Kaggle" in nbk.format_runs([run])
+    errors = [o for c in nbformat.read(run.output, as_version=4).cells if c.cell_type == "code"
+              for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert [e["traceback"] for e in errors] == [[f"NeedsMoreGPUs: {run.evalue}"]]  # one line, no traceback
