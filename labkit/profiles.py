@@ -114,9 +114,11 @@ def v100x4() -> Profile:
 def t4x2() -> Profile:
     """Kaggle's free "GPU T4 x2" notebook: two Tesla T4 16GB (Turing, compute capability 7.5, no bf16):
     fp16 with a GradScaler as on v100x4. TinyLlama's fp32 AdamW states (~17.6 GB) exceed one T4, so the
-    LLM labs train the 160M Llama; sizes checked against the estimator with HEADROOM (tests)."""
+    LLM labs train the 160M Llama. Batches are the estimator's largest powers of 2 under HEADROOM of 16 GB
+    for the fp32 single-GPU baselines (ResNet-50 128 x 224^2: ~11.3 GB; the 160M Llama 16 x 512: ~12.6 GB);
+    every lab run is checked against the estimator in tests/test_gpu_profiles.py."""
     return Profile(name="t4x2", device="cuda", backend="nccl", nproc=2, dtype="float16",
-                   llm_model="llama-160m", vision_model="resnet50", image_batch=64, llm_batch=8,
+                   llm_model="llama-160m", vision_model="resnet50", image_batch=128, llm_batch=16,
                    seq_len=512, image_size=224, steps=100, lr=1e-4, timeout_s=3600.0,
                    gpu_name="Tesla T4", gpu_memory_gb=16.0, peak_tflops=65.0)
 
