@@ -20,7 +20,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(BUILD)/torch_extensions
 export MPLBACKEND := Agg
 PYTEST_ARGS ?=
 
-.PHONY: lab test test-fast test-changed test-profile smoke rehearse venv lock kernel clean-notebooks clean bench slides chromium bubblewrap
+.PHONY: lab test test-fast test-changed test-profile smoke rehearse venv lock kernel clean-notebooks clean bench slides chromium bubblewrap student site site-deps
 
 $(BIN)/.installed: pyproject.toml $(LOCK)
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 1; }
@@ -56,7 +56,7 @@ lab: venv
 # The whole suite on 2 pytest-xdist workers; tests/_schedule.py groups each file (and files sharing a fixture)
 # and sends the heaviest first. PYTEST_ARGS="-n 0" runs it in one process. docs/DEVELOPING.md, "The suite".
 XDIST ?= -n 2 --dist loadgroup --no-loadscope-reorder
-test: venv chromium bubblewrap
+test: venv chromium bubblewrap site-deps
 	mkdir -p $(BUILD)
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
@@ -70,7 +70,7 @@ test-changed: venv
 	$(BIN)/python tests/_changed.py --base $(BASE) -- $(XDIST) $(PYTEST_ARGS)
 
 # The whole suite with the time by kind (tests/_profile.py) printed at the end and kept in build/test-profile.jsonl.
-test-profile: venv chromium bubblewrap
+test-profile: venv chromium bubblewrap site-deps
 	mkdir -p $(BUILD)
 	rm -f $(BUILD)/test-profile.jsonl
 	$(BIN)/python -m pytest $(XDIST) --kind-profile $(BUILD)/test-profile.jsonl $(PYTEST_ARGS)
@@ -99,6 +99,24 @@ bubblewrap:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update && apt-get install -y bubblewrap; \
 	  else echo "error: /usr/bin/bwrap is missing: run 'sudo apt-get install -y bubblewrap' (Debian/Ubuntu), then retry"; exit 1; fi; \
 	fi
+
+# A self-study learner's own copy of the labs (docs/self-study.md): never replaces a file already in my-labs/.
+student: venv
+	$(BIN)/labkit assign --self-study --out my-labs
+
+# The course website (docs/self-study.md): Jupyter Book 2 (the `site` extra) parses the pages on Debian's Node.js
+# (no npm, no download: labkit renders the HTML itself, labkit.course.site).
+site-deps: venv
+	@if ! command -v node >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update && apt-get install -y nodejs; \
+	  else echo "error: node is missing: run 'sudo apt-get install -y nodejs' (Debian/Ubuntu), then retry"; exit 1; fi; \
+	fi
+	@test -x $(BIN)/jupyter-book || $(BIN)/python -m pip install -c $(LOCK) -e '.[site]'
+
+# SITE_REPO=https://github.com/OWNER/NAME points the labs' Open in Colab / Kaggle links there (default: site/site.yml).
+SITE_REPO ?=
+site: site-deps
+	$(BIN)/labkit site build --out $(BUILD)/site $(if $(SITE_REPO),--repo $(SITE_REPO))
 
 slides: venv chromium
 	$(BIN)/labkit slides build --out $(BUILD)/slides

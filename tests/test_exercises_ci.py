@@ -4,7 +4,8 @@ Generic over notebooks/tests/hidden/*.py, so a lab's new exercises are covered w
 A mutant marked visible (a 3-tuple in MUTANTS) must fail a VISIBLE test whose message names its fix:
 the classic mistakes are caught where the student sees them, hidden tests only add cases. Exercises a test
 file still lists in LEGACY (their lab is not ported to the judge yet) need no visible mutants and no VARIES.
-The executed source notebooks' full marks are asserted in tests/test_notebooks.py, right after each run.
+The executed source notebooks' recorded checks are asserted in tests/test_notebooks.py, right after each run; the
+code tests of their exercise cells (the same source) are this file's solution runs.
 """
 from __future__ import annotations
 

@@ -179,3 +179,33 @@ def test_multi_rank_code_runs_inside_the_grading_sandbox_beside_a_trusted_refere
     assert [r.status for r in right.results] == ["pass"], right
     assert wrong.results[0].status == "fail" and "rank 0 of 3: yours differs from all_reduce / world by 8.00e+00" \
         in wrong.results[0].message
+
+
+SLOW_REFERENCE_TEST = '''
+import time
+from labkit.course.exercises import case, reference
+
+def _slow_answer():
+    time.sleep(4.0)
+    return 6
+
+@case("double")
+def after_a_slow_reference(student):
+    want = reference(_slow_answer)
+    assert student.call(3, returns=int) == want, "double(3) is not 6"
+'''
+
+
+@pytest.mark.slow  # starts the student's process
+def test_a_slow_reference_never_uses_up_the_students_time():
+    """The grader's own work (a reference, a trusted spawn, waiting for its lock) extends the student's
+    deadline: a 4 s reference beside a 2 s limit still grades the student's instant answer (05's 2-rank
+    DeepSpeed reference used to leave the next student call 'still running after 300 s')."""
+    from labkit.course.exercises.cases import load_cases_from_text
+    from labkit.course.exercises.judge import judge
+    from labkit.course.grading.isolation import detect
+
+    cases = load_cases_from_text(SLOW_REFERENCE_TEST, "t.py", hidden=False)
+    (result,) = judge("double", ["def double(x):\n    return 2 * x\n"], cases, timeout_s=2,
+                      memory_bytes=2 * 2**30, output_bytes=2**20, isolation=detect())
+    assert [r.status for r in result.results] == ["pass"], result

@@ -1,6 +1,7 @@
 """`labkit assign`: the student release holds no solution, runs unattempted, and `labkit check` lists the work."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -8,13 +9,27 @@ import nbformat
 import pytest
 
 from conftest import stream_text
-from labkit.course import notebooks as nbk
 from labkit.cli import main
+from labkit.course import notebooks as nbk
 from labkit.course.exercises.release import make_release
 from labkit.course.exercises.source import exercise_id, solution_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "notebooks"
+
+
+def released_memory_run(tmp_path_factory):
+    """(release folder, NotebookRun): the student release with its 01_memory executed in smoke, once per process.
+    This test checks it runs unattempted; tests/test_site.py imports this function to show its outputs on the
+    course website (importing it keeps both files in one xdist unit, tests/_schedule.py: one run, not two)."""
+    return _released_memory_run(tmp_path_factory.getbasetemp())
+
+
+@functools.cache
+def _released_memory_run(base: Path):
+    out = base / "release-run"
+    make_release(out, SOURCE)
+    return out, nbk.run_notebook(out / "notebooks" / "01_memory.ipynb", out_dir=out / "executed")
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +66,21 @@ def test_the_release_holds_no_solution_line_and_no_hidden_test(release):
     assert "agrees_with_the_estimator" in hidden_text and "agrees_with_the_estimator" not in json.dumps(manifest)
 
 
+def test_hidden_files_load_their_visible_twin_in_the_release_and_the_source_tree(release, tmp_path):
+    """A hidden file reuses its visible file's harnesses (`visible_twin`): autograder/NN.py finds
+    autograder/visible/NN.py, notebooks/tests/hidden/NN.py finds notebooks/tests/NN.py."""
+    from labkit.course.exercises.cases import ExerciseError, load_cases, visible_twin
+
+    out, _ = release
+    for hidden in (out / "autograder" / "07_model_parallel.py", SOURCE / "tests" / "hidden" / "07_model_parallel.py"):
+        assert {c.exercise for c in load_cases(hidden)} >= {"column_parallel", "gpipe_step"}
+    twin = visible_twin(out / "autograder" / "07_model_parallel.py")
+    assert twin.__labkit_test_file__ == str(out / "autograder" / "visible" / "07_model_parallel.py")
+    (tmp_path / "hidden").mkdir()
+    with pytest.raises(ExerciseError, match="no visible test file 09_x.py"):
+        visible_twin(tmp_path / "hidden" / "09_x.py")
+
+
 @pytest.mark.parametrize("source, error", [
     ("def f():\n    # BEGIN SOLUTION\n    return 1\n", "BEGIN SOLUTION is never closed"),
     ("def f():\n    return 1\n    # END SOLUTION\n", "END SOLUTION without a # BEGIN SOLUTION"),
@@ -76,9 +106,8 @@ def test_assign_never_overwrites_the_source(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_released_memory_lab_runs_unattempted_and_check_lists_the_exercises(release, capsys):
-    out, rel = release
-    run = nbk.run_notebook(out / "notebooks" / "01_memory.ipynb", out_dir=out / "executed")
+def test_released_memory_lab_runs_unattempted_and_check_lists_the_exercises(tmp_path_factory, capsys):
+    out, run = released_memory_run(tmp_path_factory)
     assert run.ok, f"{run.describe()}\n{run.traceback[-3000:]}"
     text = "".join(stream_text(c) for c in nbformat.read(run.output, 4).cells)
     assert "model_state_bytes: not attempted" in text and "not attempted yet: exercise measure_state_bytes" in text

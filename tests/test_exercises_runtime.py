@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import live_children
+from conftest import live_children, stream_text
 from labkit.course import exercises as ex
 
 TESTS = textwrap.dedent('''
@@ -206,6 +206,40 @@ def test_spawn_starts_again_on_a_new_port_when_its_port_was_taken(monkeypatch):
     finally:
         taken.close()
     assert ports == [] and live_children() == []
+
+
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
+def test_warm_ranks_are_forks_of_one_process_and_behave_like_fresh_ones():
+    """Inside warm_ranks() (the grader's process for one exercise) ranks fork from one forkserver: the same
+    values, the failing rank named, a hung run killed, a fresh process group per spawn; nothing left after."""
+    import sys
+
+    spawn_module = sys.modules["labkit.course.exercises.spawn"]
+    with spawn_module.warm_ranks():
+        assert ex.spawn(_rank_count, world=2) == [2, 2]
+        assert ex.spawn(_rank_count, world=3) == [3, 3, 3]  # a new group of another size: ranks are not reused
+        forkserver = [p for p in live_children() if "forkserver" in " ".join(p.cmdline())]
+        assert len(forkserver) == 1, live_children()
+        with pytest.raises(ex.ExerciseError, match=r"rank 1 raised ValueError: rank one is wrong") as info:
+            ex.spawn(_rank_fails, world=2, timeout=60)
+        assert "raise ValueError" in info.value.traceback
+        with pytest.raises(ex.ExerciseError, match=r"still running after 4 s and was killed"):
+            ex.spawn(_rank_hangs, world=2, timeout=4)
+        assert [p.pid for p in live_children()] == \
+            [forkserver[0].pid]  # every rank is gone; only the forkserver waits for the next spawn
+    assert spawn_module._WARM is None and live_children() == []
+
+
+@pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
+def test_in_a_kernel_ranks_fork_from_a_forkserver_that_lives_as_long_as_the_kernel(run_cells):
+    nb = run_cells(
+        "import os\nfrom labkit.course.exercises import spawn\n"
+        "def where(rank, world):\n"
+        "    import torch.distributed as dist\n"
+        "    return open(f'/proc/{os.getppid()}/cmdline').read().replace(chr(0), ' '), dist.get_world_size()\n"
+        "first = spawn(where, world=2)\nsecond = spawn(where, world=2)",
+        "print([(('forkserver' in parent), size) for parent, size in first + second])")
+    assert stream_text(nb.cells[1]).strip() == str([(True, 2)] * 4)
 
 
 def test_spawn_rejects_bad_arguments():

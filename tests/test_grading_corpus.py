@@ -143,13 +143,28 @@ def test_feedback_names_checks_but_never_reveals_hidden_expectations(executed, t
     assert (tmp_path / "out" / "gradescope" / f"{corpus.DEMO}.csv").read_text().startswith("Name,SID,Email,Score")
 
 
-def test_copied_notebooks_are_flagged_for_both_students(executed, tmp_path):
+def test_a_copy_is_flagged_for_review_with_both_names_and_nobody_loses_points(executed, tmp_path):
     _, done = executed
-    for student in ("carol", "dave"):
-        corpus.write(tmp_path / "subs", student, done)
-    result = run_batch(tmp_path / "subs", tmp_path / "out")
-    assert [(r.student, r.status) for r in result.rows] == [("carol", "tampered"), ("dave", "tampered")]
-    assert "identical to those of dave" in result.rows[0].detail
+    subs = tmp_path / "subs"
+    corpus.write(subs, "carol", done)  # the original
+    corpus.write(subs, "dave", done)  # a verbatim copy
+    corpus.write(subs, "erin", corpus.resealed(done))  # a re-sealed copy: no seal in common, every value the same
+    corpus.write(subs, "fay", corpus.resealed(done, step_time_s=0.1234))  # another run of the same notebook
+    result = run_batch(subs, tmp_path / "out")
+    assert [(r.student, r.status, r.score) for r in result.rows] == [
+        (s, "graded", corpus.TOTAL_POINTS) for s in ("carol", "dave", "erin", "fay")]
+    assert [(p.student, p.other, p.same_seals) for p in result.pairs] == [
+        ("carol", "dave", True), ("carol", "erin", False), ("dave", "erin", False)]
+    rows = _rows(tmp_path / "out")
+    assert "identical to dave's (the same seals" in rows["carol"]["detail"]
+    assert "identical to carol's (under other seals: re-sealed)" in rows["erin"]["detail"]
+    assert "review" not in rows["fay"]["detail"]
+    with (tmp_path / "out" / "review.csv").open(newline="") as fh:
+        review = list(csv.DictReader(fh))
+    assert [(r["student"], r["other"], r["same_seals"]) for r in review] == [
+        ("carol", "dave", "yes"), ("carol", "erin", "no"), ("dave", "erin", "no")]
+    page = (tmp_path / "out" / "feedback" / "erin.html").read_text()  # a student never sees another's name
+    assert "carol" not in page and "dave" not in page
 
 
 def test_grade_cli_writes_the_gradebook_and_exits_0(executed, tmp_path, capsys):

@@ -57,26 +57,31 @@ def level(request):
     return request.param
 
 
-def test_private_paths_are_absent_needed_paths_readable_and_only_scratch_writable(tmp_path, level):
+def test_only_the_system_and_shown_paths_exist_read_only_and_only_scratch_is_writable(tmp_path, level):
     home, out, scratch = tmp_path / "home", tmp_path / "out", tmp_path / "scratch"
     for d in (home / "venv", out, scratch):
         d.mkdir(parents=True)
     (home / "venv" / "lib.py").write_text("needed")
-    (home / "venv" / "checks.py").write_text("private")  # a private file inside a needed directory
-    (home / "notes.txt").write_text("instructor's")
+    (home / "venv" / "checks.py").write_text("private")  # a private file inside a shown directory
+    (home / "venv" / "hidden").mkdir()  # a private directory inside it
+    (home / "venv" / "hidden" / "tests.py").write_text("private")
+    (home / "notes.txt").write_text("instructor's")  # beside the shown directory: not shown
     (out / "grades.csv").write_text("grades")
-    view = View(scratch, 2**20, private=(out, home / "venv" / "checks.py"), masked=(home,),
-                needed=(home / "venv",))
-    assert ("bind", home / "venv") in mount_plan(view)
+    view = View(scratch, 2**20, private=(out, home / "venv" / "checks.py", home / "venv" / "hidden"),
+                shown=(home / "venv",))
+    assert ("bind", home / "venv", str(home / "venv")) in mount_plan(view)
+    tree = Path(labkit.__file__).resolve().parents[1]  # the source tree: only its labkit/ is shown
     probe = _sandboxed(level, view, f"""
         cat {home}/venv/lib.py; echo
-        for p in {home}/venv/checks.py {home}/notes.txt {out}/grades.csv; do test -e $p && echo "SEEN $p"; done
-        for p in {home}/venv/x {tmp_path}/x {out}/x; do touch $p 2>/dev/null && echo "WROTE $p"; done
+        for p in {home}/venv/checks.py {home}/venv/hidden/tests.py {home}/notes.txt {out}/grades.csv \
+                 {tree}/notebooks {tree}/tests {tree}/pyproject.toml; do
+            {{ test -f $p && test -s $p; }} || {{ test -d $p && test -n "$(ls -A $p)"; }} && echo "SEEN $p"; done
+        for p in {home}/venv/x {tmp_path}/x {out}/x /x /usr/x; do touch $p 2>/dev/null && echo "WROTE $p"; done
         touch {scratch}/ok && echo scratch-writable
-        umount {home} 2>/dev/null && echo UNMOUNTED; grep CapEff /proc/self/status""")
+        umount {home}/venv 2>/dev/null && echo UNMOUNTED; grep CapEff /proc/self/status""")
     assert probe.stdout.split() == ["needed", "scratch-writable", "CapEff:", "0" * 16], probe.stdout + probe.stderr
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(
-        ["home", "out", "scratch", "venv", "lib.py", "checks.py", "notes.txt", "grades.csv"])
+        ["home", "out", "scratch", "venv", "lib.py", "checks.py", "hidden", "tests.py", "notes.txt", "grades.csv"])
 
 
 def test_scratch_is_a_capped_tmpfs(tmp_path, level):
@@ -135,12 +140,8 @@ def _same_row(a: dict[str, str], b: dict[str, str]) -> bool:
 
 
 @pytest.mark.slow
-def test_hostile_submissions_touch_nothing_but_their_own_row(tmp_path, monkeypatch):
+def test_hostile_submissions_touch_nothing_but_their_own_row(tmp_path):
     _require_bubblewrap()
-    # Production also hides the whole temp dir (where tmp_path lives); without that mask this batch shows the
-    # per-batch masks alone keep the submissions, --out and the checks file out of sight.
-    monkeypatch.setattr(isolation, "default_masked", lambda: tuple(
-        p for p in isolation._existing([Path.home(), "/root", "/home"])))
     subs, out, checks = tmp_path / "subs", tmp_path / "out", tmp_path / "private" / "checks.py"
     checks.parent.mkdir()
     checks.write_text(hostile.PRIVATE_CHECKS)

@@ -230,3 +230,42 @@ def test_find_submissions_gives_every_student_a_row(tmp_path):
                                                               ("bob", None, ())]
     with pytest.raises(GradingError, match="does not exist"):
         find_submissions(tmp_path / "missing")
+
+
+def test_points_possible_and_every_total_come_from_the_plan(tmp_path):
+    """A row claiming 1019 points (the issue's forged report) changes nobody's percentage, its own included."""
+    forged = Grade("mallory", "nb", "graded", 1019.0, 1019.0, "",
+                   (K.CheckResult("x", 1000, 1000, True, True, ""),))
+    rows = [forged, Grade("ann", "nb", "graded", 19.0, 19.0, "")]
+    assert gradebook.write_all(rows, {"nb": 19.0}, tmp_path) == []
+    canvas = (tmp_path / "canvas.csv").read_text().splitlines()
+    assert canvas[1] == "Points Possible,,,,,19" and canvas[2:] == ["ann,,,ann,,19", "mallory,,,mallory,,19"]
+    grades = (tmp_path / "grades.csv").read_text()
+    assert grades.count(",19,19,graded,") == 2 and "1019 outside [0, 19]: clamped" in grades
+    assert "Total: 19 / 19" in (tmp_path / "feedback" / "mallory.html").read_text()
+    assert "max_score" in (tmp_path / "summary.csv").read_text().splitlines()[0]
+    assert (tmp_path / "summary.csv").read_text().splitlines()[1].endswith(",19.0,19.0")
+
+
+class _Unprintable:
+    def __str__(self):
+        raise RuntimeError("no")
+
+
+def test_one_unprintable_row_never_stops_the_other_files_or_pages(tmp_path, monkeypatch):
+    weird = ["a JSON list", {"b": 1}], b"\xff\x00 bytes", "lone \udcff surrogates\x00", "x" * 10**6, _Unprintable()
+    results = tuple(K.CheckResult(f"check {i}", 1, 0, False, True, m) for i, m in enumerate(weird))
+    rows = [Grade("mallory", "nb", "error", 0, 5, "raised \udc80" * 1000, results),
+            Grade("st\udcffdent", "nb", "graded", 0, 5, ""), Grade("ann", "nb", "graded", 5, 5, ""),
+            Grade("zoe", "nb", "graded", 5, 5, "")]
+    real = feedback.student_html
+    monkeypatch.setattr(feedback, "student_html", lambda s, g: real(s, g) if s != "ann" else 1 / 0)
+    problems = gradebook.write_all(rows, {"nb": 5.0}, tmp_path)
+    assert problems == ["feedback for 'ann' could not be rendered (ZeroDivisionError); a short page says so"]
+    pages = sorted(p.name for p in (tmp_path / "feedback").iterdir())
+    assert len(pages) == 4 and "zoe.html" in pages and "mallory.html" in pages
+    mallory = (tmp_path / "feedback" / "mallory.html").read_text(encoding="utf-8")
+    assert "a JSON list" in mallory and "&lt;unprintable _Unprintable&gt;" in mallory and len(mallory) < 50_000
+    assert "this page could not be rendered" in (tmp_path / "feedback" / "ann.html").read_text()
+    grades = (tmp_path / "grades.csv").read_bytes().decode("utf-8")  # valid UTF-8: the surrogates were replaced
+    assert grades.count("\n") == 5 and len(grades) < 20_000

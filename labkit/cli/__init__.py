@@ -25,6 +25,8 @@ SUBCOMMANDS = {
     "check": "check",
     "grade": "grade",
     "assign": "assign",
+    "solution": "solution",
+    "site": "site",
     "slides": "slides",
     "bench": "bench",
     "preflight": "preflight",

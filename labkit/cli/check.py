@@ -4,7 +4,8 @@ Recorded checks read the executed notebook's results; code tests run the visible
 the functions its exercise cells define (one subprocess per exercise, with a timeout), from the `tests/`
 folder beside the notebook (else the course's notebooks/tests). Exit code 0 when every visible check and
 test passes and the recorded results are intact, 1 otherwise, 2 when the file cannot be read as a course
-notebook. Hidden checks and tests run only when the instructor grades.
+notebook. Hidden checks and tests run only when an instructor grades; a self-study learner compares with the
+reference instead (`labkit solution LAB NAME`, labkit.course.selfstudy).
 """
 from __future__ import annotations
 
@@ -118,7 +119,9 @@ def format_report(report: CheckReport) -> str:
     for problem in report.problems:
         lines.append(f"  FIX   {problem}")
     if report.hidden:
-        lines.append(f"{report.hidden} hidden check(s) run when your instructor grades.")
+        lines.append(f"{report.hidden} hidden check(s) are not run here: in a class, your instructor's grading runs "
+                     f"them; studying on your own, compare your work with the reference when you choose to: "
+                     f"`labkit solution {report.notebook} NAME` (no NAME: the list).")
     return "\n".join(lines)
 
 

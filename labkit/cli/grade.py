@@ -1,19 +1,29 @@
 """`labkit grade SUBMISSIONS_DIR --out OUT_DIR`: grade a class's executed notebooks (docs/grading.md).
 
-Writes OUT_DIR/grades.csv (one row per submission), summary.csv, canvas.csv, gradescope/<notebook>.csv and
-feedback/<student>.html; exit code 0 whenever the gradebook was written, whatever the submissions held.
+Writes OUT_DIR/grades.csv (one row per submission), summary.csv, canvas.csv, gradescope/<notebook>.csv,
+review.csv (copies to look at) and feedback/<student>.html; exit code 0 whenever the gradebook (grades.csv)
+was written, whatever the submissions held: a file or page that could not be written is a warning line.
 Code exercises: each exercise cell's function runs against the visible and hidden tests (--autograder) in
 the same sandbox, one process per exercise, partial credit per test. With --execute or code tests it first
 prints the isolation in use, and refuses (exit 2) where there is none unless --unsafe-no-isolation is given.
+
+A class on many machines (labkit.course.grading.shards): `--emit slurm` writes OUT/slurm/grade.sbatch, a SLURM
+array job whose task I runs `labkit grade ... --shard I/K` into OUT/parts/shard-I; `labkit grade merge
+OUT/parts/shard-* --out OUT` joins the shards into the gradebook one machine would have written.
 """
 from __future__ import annotations
 
 import click
 
-from labkit.course.grading.batch import GradeOptions, isolation_for, run_batch
+from pathlib import Path
+
+from labkit.course.grading import shards as sharding
+from labkit.course.grading.batch import (GradeOptions, code_plan, find_submissions, isolation_for, maxima,
+                                         run_batch)
 from labkit.course.grading.evaluate import Grade
 from labkit.course.grading.registry import load_file
 from labkit.course.grading.sandbox import Limits
+from labkit.errors import GradingError
 from labkit.profiles import get_profile
 from labkit.results import format_table
 
@@ -24,7 +34,7 @@ def _progress(row: Grade) -> None:
 
 
 @click.command("grade")
-@click.argument("submissions_dir", type=click.Path())
+@click.argument("submissions_dir", nargs=-1, required=True, metavar="SUBMISSIONS_DIR | merge OUT_PARTS...")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="Where grades and feedback go.")
 @click.option("--notebook", default=None, help="Grade only <student>/NOTEBOOK.ipynb, e.g. 01_memory.")
 @click.option("--execute", is_flag=True, help="Re-run each notebook with papermill in a sandbox first.")
@@ -45,10 +55,24 @@ def _progress(row: Grade) -> None:
               help="Seconds for all the tests of one code exercise.")
 @click.option("--unsafe-no-isolation", is_flag=True,
               help="Execute even where no file-system sandbox exists (student code gets the grader's access).")
+@click.option("--emit", type=click.Choice(["slurm"]), default=None,
+              help="Grade nothing here: write OUT/slurm/grade.sbatch, a SLURM array job (one task per shard).")
+@click.option("--shards", type=int, default=None,
+              help="Tasks of --emit slurm (default: one per 8 students).")
+@click.option("--shard", default=None, metavar="I/K",
+              help="Grade only shard I of K (students split by name; what each SLURM task runs).")
 def command(submissions_dir, out_dir, notebook, execute, profile, timeout, workers, memory_gib, output_mib,
-            checks_file, kernel, scratch_mib, autograder, exercise_timeout, unsafe_no_isolation):
+            checks_file, kernel, scratch_mib, autograder, exercise_timeout, unsafe_no_isolation, emit, shards, shard):
     """Grade SUBMISSIONS_DIR/<student>/<notebook>.ipynb on recorded results (or re-executed with --execute),
-    and the code exercises' cells on their visible + hidden tests (sandboxed)."""
+    and the code exercises' cells on their visible + hidden tests (sandboxed).
+
+    `labkit grade merge OUT_PARTS... --out OUT` joins the shards of `--emit slurm` into one gradebook."""
+    if submissions_dir[0] == "merge":
+        return _merge(submissions_dir[1:], out_dir)
+    if len(submissions_dir) != 1:
+        raise GradingError(f"one SUBMISSIONS_DIR, got {len(submissions_dir)} ({' '.join(submissions_dir[:3])} ...); "
+                           "to join shards: labkit grade merge OUT/parts/shard-* --out OUT")
+    submissions_dir = submissions_dir[0]
     get_profile(profile)  # an unknown profile is a ConfigError naming the valid ones
     if checks_file:
         click.echo(f"extra checks for: {', '.join(load_file(checks_file))}")
@@ -58,11 +82,59 @@ def command(submissions_dir, out_dir, notebook, execute, profile, timeout, worke
                         limits=limits, private=(checks_file,) if checks_file else (),
                         unsafe_no_isolation=unsafe_no_isolation, autograder=autograder,
                         exercise_timeout_s=exercise_timeout)
+    if emit == "slurm":
+        return _emit(submissions_dir, out_dir, opts, shards, checks_file, memory_gib, output_mib, scratch_mib)
     if execute:
         iso = isolation_for(opts)  # ConfigError (exit 2) when there is none and it was not accepted
         click.echo(f"isolation: {iso.level} ({iso.detail})")
-    result = run_batch(submissions_dir, out_dir, opts, progress=_progress)
+    part = sharding.parse_shard(shard) if shard else None
+    select = (lambda subs: sharding.select(subs, *part)) if part else None
+    result = run_batch(submissions_dir, out_dir, opts, progress=_progress, select=select)
+    if part:
+        everything = find_submissions(submissions_dir, notebook)
+        sharding.write_shard(result.out_dir, *part, everything, result.rows,
+                             sharding.plan_of(opts, maxima(everything, opts)))  # the whole class's plan
     click.echo(format_table(result.summary))
     click.echo(f"wrote {result.out_dir / 'grades.csv'} ({len(result.rows)} rows), summary.csv, canvas.csv, "
-               f"received.csv, gradescope/, feedback/")
+               f"received.csv, review.csv, gradescope/, feedback/")
+    for pair in result.pairs:
+        click.echo(f"review: {pair.student} and {pair.other} ({pair.notebook}): {pair.runs} recorded run(s) identical"
+                   f"{' (the same seals)' if pair.same_seals else ' under other seals'}")
+    for problem in result.problems:  # the gradebook is written: say what is missing, still exit 0
+        click.echo(f"warning: {problem}")
+    return 0
+
+
+def _emit(submissions_dir, out_dir, opts: GradeOptions, shards, checks_file, memory_gib, output_mib, scratch_mib):
+    subs = find_submissions(submissions_dir, opts.notebook)
+    argv = [*(["--notebook", opts.notebook] if opts.notebook else []), *(["--execute"] if opts.execute else []),
+            "--profile", opts.profile, "--timeout", f"{opts.limits.timeout_s:g}", "--workers", str(opts.workers),
+            "--memory-gib", f"{memory_gib:g}", "--output-mib", f"{output_mib:g}", "--kernel", opts.kernel,
+            "--scratch-mib", f"{scratch_mib:g}", "--exercise-timeout", f"{opts.exercise_timeout_s:g}",
+            *(["--checks", str(Path(checks_file).resolve())] if checks_file else []),
+            *(["--autograder", str(Path(opts.autograder).resolve())] if opts.autograder else []),
+            *(["--unsafe-no-isolation"] if opts.unsafe_no_isolation else [])]
+
+    def seconds(sub) -> float:  # a generous bound: execution, then every exercise's whole budget
+        exercises = len(code_plan(sub.notebook, opts).exercises) if sub.notebook else 0
+        return (opts.limits.timeout_s if opts.execute else 30.0) + exercises * opts.exercise_timeout_s
+
+    path, count = sharding.emit_slurm(subs, Path(submissions_dir), Path(out_dir), shards=shards, argv=argv,
+                                      workers=opts.workers, memory_gib=memory_gib, per_submission_s=seconds)
+    click.echo(f"wrote {path}: a SLURM array of {count} task(s) over {len(sharding.students(subs))} students "
+               f"({len(subs)} submissions)")
+    click.echo(f"submit: sbatch {path}")
+    click.echo(f"then:   labkit grade merge {Path(out_dir) / 'parts'}/shard-* --out {out_dir}")
+    return 0
+
+
+def _merge(parts, out_dir):
+    rows, pairs, problems = sharding.merge(parts, out_dir)
+    click.echo(format_table(sharding.gradebook.summary(rows)))
+    click.echo(f"merged {len(parts)} shard(s): wrote {Path(out_dir) / 'grades.csv'} ({len(rows)} rows), summary.csv, "
+               "canvas.csv, received.csv, review.csv, gradescope/, feedback/")
+    for pair in pairs:
+        click.echo(f"review: {pair.student} and {pair.other} ({pair.notebook}): {pair.runs} recorded run(s) identical")
+    for problem in problems:
+        click.echo(f"warning: {problem}")
     return 0

@@ -113,6 +113,17 @@ def load_module(path: str | Path, text: str | None = None) -> types.ModuleType:
     return module
 
 
+def visible_twin(hidden_file: str | Path) -> types.ModuleType:
+    """The visible test file of a hidden one, loaded afresh, so hidden tests reuse its harnesses and helpers with
+    other inputs: tests/hidden/NN_x.py -> tests/NN_x.py (source tree), autograder/NN_x.py ->
+    autograder/visible/NN_x.py (a release). In a hidden file: `visible = visible_twin(__labkit_test_file__)`."""
+    path = Path(hidden_file)
+    for candidate in (path.parent / "visible" / path.name, path.parent.parent / path.name):
+        if candidate.is_file():
+            return load_module(candidate)
+    raise ExerciseError(f"{path}: no visible test file {path.name} in {path.parent / 'visible'} or {path.parent.parent}")
+
+
 def load_cases(path: str | Path, *, hidden: bool | None = None) -> list[Case]:
     """The cases of one test file, in file order. `hidden` defaults to "the file sits in hidden/ or autograder/"."""
     path = Path(path)

@@ -107,11 +107,13 @@ def run_variants(exercise: str, sources: list[str], plan: Plan, *, timeout_s: fl
                  kernel: str = "labkit", reveal_hidden: bool = False) -> list[VariantResult]:
     """Every case of `exercise` on each source variant (the submitted cell; in CI the solution and its mutants).
     A legacy exercise's hidden messages come back only with `reveal_hidden`."""
+    from labkit.course.exercises import wire
+
     cases = plan.cases(exercise)
     options = dict(timeout_s=timeout_s, memory_bytes=memory_bytes, output_bytes=output_bytes, isolation=isolation,
                    private=private, kernel=kernel)
-    if exercise not in plan.legacy:
-        return judge(exercise, sources, cases, **options)
+    if exercise not in plan.legacy:  # an answer is output too: --output-mib caps it (refused before it is read)
+        return judge(exercise, sources, cases, max_message=min(wire.MAX_BYTES, output_bytes), **options)
     tests = payload_of(plan.visible, False) + payload_of(plan.hidden, True)
     run = run_exercise(exercise, sources, tests, reveal_hidden=reveal_hidden, **options)
     if run.status != OK or len(run.variants) != len(sources):
@@ -215,9 +217,12 @@ def merge(grade, grades: list[ExerciseGrade]):
                    detail=f"{grade.detail}; {summary(grades)}" if grade.detail else summary(grades))
 
 
-def full_marks_problems(executed: str | Path, tests_dir: str | Path | None = None) -> list[str]:
+def full_marks_problems(executed: str | Path, tests_dir: str | Path | None = None, *,
+                        code_tests: bool = True) -> list[str]:
     """Why an executed SOURCE notebook does not get full marks (recorded checks + visible and hidden code
-    tests, hidden messages shown: this is for CI and authors); [] when it does."""
+    tests, hidden messages shown: this is for CI and authors); [] when it does. `code_tests=False` runs
+    the recorded checks only and just requires every exercise's cell (tests/test_notebooks.py: the code
+    tests of the same cells run in tests/test_exercises_ci.py, with their mutants, in one process each)."""
     from labkit.course.grading.evaluate import GRADED, grade_notebook, load_notebook
     from labkit.course.grading.evidence import identity
     from labkit.course.grading.registry import checks_for
@@ -230,7 +235,11 @@ def full_marks_problems(executed: str | Path, tests_dir: str | Path | None = Non
     except GradingError:
         checks = ()
     tests = Path(tests_dir) if tests_dir else source_tests_dir()
-    grade = merge(grade_notebook(nb, notebook, checks),
-                  grade_exercises(nb, notebook, plan_for(notebook, tests, tests / "hidden"), reveal_hidden=True))
+    plan = plan_for(notebook, tests, tests / "hidden")
+    if code_tests:
+        code = grade_exercises(nb, notebook, plan, reveal_hidden=True)
+    else:
+        code = [_missing(exercise, plan) for exercise in plan.exercises if exercise not in exercise_cells(nb)]
+    grade = merge(grade_notebook(nb, notebook, checks), code)
     problems = [] if grade.status == GRADED else [f"{grade.status}: {grade.detail}"]
     return problems + [f"{r.name}: {r.message}" for r in grade.results if not r.passed]

@@ -23,8 +23,12 @@ class HiddenInfo:
         return f"+ {self.tests} hidden test{plural} ({self.points:g} pts) when your instructor grades{what}"
 
 
+#: A release's `tests/NN_x.hidden.json` (a self-study release leaves them out: labkit.course.selfstudy).
+MANIFEST_SUFFIX = ".hidden.json"
+
+
 def manifest_path(tests_dir: Path, notebook: str) -> Path:
-    return Path(tests_dir) / f"{notebook}.hidden.json"
+    return Path(tests_dir) / f"{notebook}{MANIFEST_SUFFIX}"
 
 
 def from_hidden_file(path: Path) -> dict[str, HiddenInfo]:

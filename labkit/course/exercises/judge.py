@@ -23,10 +23,12 @@ from pathlib import Path
 from labkit.course.exercises import wire
 from labkit.course.exercises.cases import Case, CaseResult
 from labkit.course.exercises.process import Launched, exit_reason, launch
-from labkit.course.exercises.student import Student, StudentGone, waiting
+from labkit.course.exercises.student import Student, StudentGone, grader_seconds, waiting
 from labkit.course.exercises.verdicts import run_cases
 
 _POLL_S = 0.1
+#: Seconds a student's process gets to exit by itself after its channel closed, before it is killed.
+_BYE_S = 5.0
 #: Seconds the student's process may take to start (our code only: Python, labkit, the sandbox) before the
 #: exercise's own clock starts; a busy machine must not eat a student's time.
 STARTUP_S = 180.0
@@ -64,13 +66,20 @@ class Channel:
         self.sock, self.seq, self._ready, self._starting = ours, 0, False, False
 
     def close(self) -> None:
-        from labkit.course.grading.sandbox import kill_process_tree
+        import subprocess
+
+        from labkit.course.grading.confine import kill_process_tree
 
         proc = self.launched.proc
+        self.sock.close()  # end of requests: a process between requests stops its warm ranks' forkserver and exits
+        try:
+            proc.wait(timeout=_BYE_S)
+        except subprocess.TimeoutExpired:  # busy in student code, or ignores the end: killed with its tree
+            pass
         if proc.poll() is None:
             kill_process_tree(proc.pid)
         proc.wait()
-        self.sock.close()
+        self.launched.box.close()
         self.launched.output.join()
         self._tmp.cleanup()
 
@@ -120,7 +129,7 @@ class Channel:
         return answer
 
     def close_quietly(self) -> None:
-        from labkit.course.grading.sandbox import kill_process_tree
+        from labkit.course.grading.confine import kill_process_tree
 
         if self.launched.proc.poll() is None:
             kill_process_tree(self.launched.proc.pid)
@@ -137,8 +146,9 @@ class Channel:
                               "waiting for a collective that never comes?)")
         if proc.poll() is not None:
             self.launched.output.join(1.0)
-            tail = out.last_lines() if self.reveal else ""
-            how = f" ({exit_reason(proc)})" if self.reveal else ""
+            capped = self.launched.box.exceeded()  # a cap of the grader's: named whatever the student's side sent
+            tail = out.last_lines() if self.reveal and not capped else ""
+            how = f" ({capped or exit_reason(proc)})" if self.reveal or capped else ""
             raise StudentGone(f"the exercise's process died{how} before answering" + (f": {tail}" if tail else ""))
 
     def _send(self, data: bytes, deadline: float) -> None:
@@ -180,6 +190,7 @@ class RemoteStudent(Student):
         super().__init__(exercise)
         self.channel, self.deadline = channel, deadline
         self.gone: str = ""
+        self.grader_s0 = grader_seconds()  # the grader's own time from here on extends the deadline
 
     def load(self, source: str) -> str:
         """Load an exercise cell on the student's side: "" when it defines the function, else why not."""
@@ -194,7 +205,7 @@ class RemoteStudent(Student):
             raise StudentGone(self.gone)
         try:
             with waiting():  # other submissions' tests run while this one waits for the student's process
-                return self.channel.exchange(request, self.deadline)
+                return self.channel.exchange(request, self.deadline + grader_seconds() - self.grader_s0)
         except StudentGone as exc:
             self.gone = str(exc)
             raise

@@ -54,34 +54,42 @@ class OutputTap:
 class Launched:
     proc: subprocess.Popen
     output: OutputTap
+    box: object
+    """Its labkit.course.grading.confine.Box: the caps of everything it starts; `box.close()` when done."""
 
 
 def launch(module: str, work: Path, *, extra: list[str], pass_fds: tuple[int, ...], memory_bytes: int,
            output_bytes: int, isolation=None, private: tuple = (), kernel: str = "labkit",
            scratch_bytes: int = 512 * 2**20, stdin=subprocess.DEVNULL) -> Launched:
-    """Start `python -m module SCRATCH MEMORY *extra` in `work` (see the module docstring)."""
+    """Start `python -m module SCRATCH MEMORY *extra` in `work` (see the module docstring). Sandboxed, its
+    whole tree shares one memory and tasks budget (labkit.course.grading.confine); always, it dies with the
+    thread that started it (parent-death signal)."""
+    from labkit.course.grading import confine
     from labkit.course.grading import isolation as iso_mod
     from labkit.course.grading.sandbox import scratch_env
 
     work = work.resolve()
     scratch = work if isolation is not None and isolation.level == iso_mod.BUBBLEWRAP else work / "scratch"
     scratch.mkdir(exist_ok=True)
-    argv = [sys.executable, "-m", module, str(scratch), str(memory_bytes), *extra]
+    box = confine.detect().box(memory_bytes) if isolation is not None else confine.unconfined(memory_bytes)
+    tasks = ["--tasks", str(box.child_tasks())] if box.child_tasks() else []
+    argv = [sys.executable, "-m", module, str(scratch), str(memory_bytes), *tasks, *extra]
     if isolation is None:
         cmd, env = argv, {**os.environ, "PYTHONPATH": iso_mod.labkit_path()}
     else:
-        view = iso_mod.View(scratch, scratch_bytes, private=tuple(private), masked=iso_mod.default_masked(),
-                            needed=iso_mod.runtime_paths(kernel))
+        view = iso_mod.View(scratch, scratch_bytes, private=tuple(private), shown=iso_mod.runtime_paths(kernel))
         cmd, env = iso_mod.command(isolation, view, argv), scratch_env(scratch, kernel)
         env["MPLBACKEND"] = "Agg"
-    proc = subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=pass_fds,
-                            start_new_session=True, env=env, cwd=work)
-    return Launched(proc, OutputTap(output_bytes).start(proc.stdout))
+    proc = subprocess.Popen(box.command(cmd), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            pass_fds=pass_fds, start_new_session=True, env=env, cwd=work)
+    box.watch(proc)
+    return Launched(proc, OutputTap(output_bytes).start(proc.stdout), box)
 
 
 def child_args(argv: list[str], prog: str, fd_option: str):
     """In the started process: parse `SCRATCH MEMORY --<fd_option> N`, keep the descriptor from its children,
-    make the scratch's homes and caches, move there and cap the memory (RLIMIT_AS, inherited by ranks)."""
+    make the scratch's homes and caches, move there and cap the memory (RLIMIT_AS, inherited by ranks) and,
+    when the grader polls instead of using cgroups, the tasks (RLIMIT_NPROC)."""
     import argparse
 
     from labkit.course.grading.sandbox import _apply_limits
@@ -89,13 +97,14 @@ def child_args(argv: list[str], prog: str, fd_option: str):
     parser = argparse.ArgumentParser(prog=f"python -m {prog}")
     parser.add_argument("scratch", type=Path)
     parser.add_argument("memory", type=int)
+    parser.add_argument("--tasks", type=int, default=0)
     parser.add_argument(fd_option, type=int, required=True, dest="fd")
     args = parser.parse_args(argv)
     os.set_inheritable(args.fd, False)
     for name in ("home", "tmp", "cache", "config", "mpl", "ipython", "runtime"):
         (args.scratch / name).mkdir(parents=True, exist_ok=True)
     os.chdir(args.scratch)
-    _apply_limits(args.memory, 2**30)
+    _apply_limits(args.memory, 2**30, args.tasks)
     return args
 
 

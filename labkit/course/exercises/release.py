@@ -30,7 +30,7 @@ class Release:
     hidden: tuple[Path, ...]
 
 
-def _released(path: Path):
+def released_notebook(path: Path):
     """The release version of one source notebook (nbformat node)."""
     import nbformat
 
@@ -67,7 +67,7 @@ def make_release(out_dir: str | Path, source_dir: str | Path = "notebooks") -> R
     paths = sorted(source.glob("*.ipynb"))
     if not paths:
         raise GradingError(f"no notebooks in {source}; give the course's notebooks folder with --source")
-    released = {p: _released(p) for p in paths}  # every marker validated before a file is written
+    released = {p: released_notebook(p) for p in paths}  # every marker validated before a file is written
     _prepare(out, source)
     (out / "notebooks").mkdir()
     for path, nb in released.items():

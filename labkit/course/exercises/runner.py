@@ -50,7 +50,7 @@ def run_exercise(exercise: str, sources: list[str], tests: list[dict], *, timeou
     A hidden test's message comes back only with `reveal_hidden` (CI and authors, never students)."""
     import subprocess
 
-    from labkit.course.grading.sandbox import kill_process_tree
+    from labkit.course.grading.confine import kill_process_tree
 
     job = json.dumps({"exercise": exercise, "sources": sources, "tests": tests, "reveal": reveal_hidden}).encode()
     with tempfile.TemporaryDirectory(prefix="labkit-exercise-") as tmp:
@@ -75,6 +75,8 @@ def run_exercise(exercise: str, sources: list[str], tests: list[dict], *, timeou
                     break
                 time.sleep(_POLL_S)
             proc.wait()
+            capped = run.box.exceeded()
+            run.box.close()
             run.output.join()
         if run.output.over or killed == OUTPUT_CAP:
             return Outcome(OUTPUT_CAP, f"printed more than {output_bytes / 2**20:g} MiB; killed (print less)")
@@ -87,8 +89,8 @@ def run_exercise(exercise: str, sources: list[str], tests: list[dict], *, timeou
             data = json.loads(report_path.read_text())
             return Outcome(OK, "", tuple(data["variants"]))
         except (OSError, ValueError, KeyError, TypeError, RecursionError):
-            tail = run.output.last_lines() if not any(t["hidden"] for t in tests) else ""
-            return Outcome(CRASHED, f"the exercise's process died ({exit_reason(proc)}) before reporting" +
+            tail = run.output.last_lines() if not any(t["hidden"] for t in tests) and not capped else ""
+            return Outcome(CRASHED, f"the exercise's process died ({capped or exit_reason(proc)}) before reporting" +
                            (f": {tail}" if tail else ""))
 
 
@@ -110,12 +112,14 @@ def _run_variant(exercise: str, source: str, cases, reveal: bool = False) -> dic
 def main(argv: list[str]) -> int:
     from labkit.course.exercises.cases import load_cases_from_text
     from labkit.course.exercises.process import child_args
+    from labkit.course.exercises.spawn import warm_ranks
 
     args = child_args(argv, "labkit.course.exercises.runner", "--report-fd")
     job = json.loads(sys.stdin.read())
     cases = [c for t in job["tests"] for c in load_cases_from_text(t["text"], t["file"], hidden=t["hidden"])
              if c.exercise == job["exercise"]]
-    variants = [_run_variant(job["exercise"], src, cases, bool(job.get("reveal"))) for src in job["sources"]]
+    with warm_ranks():  # every variant's tests spawn ranks: fork them from one process that imported torch once
+        variants = [_run_variant(job["exercise"], src, cases, bool(job.get("reveal"))) for src in job["sources"]]
     sys.stdout.flush()
     with os.fdopen(args.fd, "w", closefd=False) as out:
         out.write(json.dumps({"variants": variants}))

@@ -147,13 +147,15 @@ def _send(sock: socket.socket, payload: bytes) -> None:
 
 def main(argv: list[str]) -> int:
     from labkit.course.exercises.process import child_args
+    from labkit.course.exercises.spawn import warm_ranks
 
     args = child_args(argv, "labkit.course.exercises.server", "--channel-fd")
     _close_other_fds(args.fd)
     devnull = os.open(os.devnull, os.O_RDONLY)  # nothing to read on stdin
     os.dup2(devnull, 0)
     os.close(devnull)
-    return serve(socket.socket(fileno=args.fd))
+    with warm_ranks():  # every variant's tests may spawn ranks: fork them from one process that imported torch
+        return serve(socket.socket(fileno=args.fd))
 
 
 if __name__ == "__main__":

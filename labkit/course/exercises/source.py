@@ -15,7 +15,7 @@ from labkit.errors import GradingError
 
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 _HEADER = re.compile(r"#\s*EXERCISE\s+([A-Za-z_]\w*)")
-_ONE_LINE = re.compile(r"^(\s*)([A-Za-z_][\w.\[\]\"']*)\s*=\s*.+?\s*#\s*SOLUTION\s*$")
+ONE_LINE_ANSWER = re.compile(r"^(\s*)([A-Za-z_][\w.\[\]\"']*)\s*=\s*.+?\s*#\s*SOLUTION\s*$")
 
 
 class MarkerError(GradingError):
@@ -110,7 +110,7 @@ def stub(source: str, exercise: str | None, where: str = "cell") -> str:
 
 
 def _answer_stub(line: str) -> str:
-    match = _ONE_LINE.match(line)
+    match = ONE_LINE_ANSWER.match(line)
     return f"{match.group(1)}{match.group(2)} = None  # YOUR ANSWER" if match else line
 
 
@@ -119,4 +119,4 @@ def solution_lines(source: str) -> list[str]:
     lines, out = source.splitlines(), []
     for begin, end in regions(source):
         out += [line for line in lines[begin + 1:end] if line.strip()]
-    return out + [line for line in lines if _ONE_LINE.match(line)]
+    return out + [line for line in lines if ONE_LINE_ANSWER.match(line)]

@@ -11,11 +11,16 @@ A rank that raises -> `ExerciseError` naming the rank and the error (the other r
 would wait in a collective forever); a run that outlives `timeout` -> killed, `ExerciseError` says so.
 Every rank is its own session leader with the parent-death signal set, and is killed with its group, so
 no process survives `spawn`, even when the caller is killed (a kernel restart, the grader's timeout).
+A process that spawns many times runs inside `warm_ranks()` (the grader's process for one exercise: every
+test of the solution and of each mutant), and so does a Jupyter kernel (a notebook's checks and comparisons):
+there ranks are forked from a forkserver that imported torch once, instead of each rank importing it again
+(seconds of CPU per rank); each spawn still gets pristine forked ranks.
 Unverified on hardware here: the NCCL ranks of a GPU profile (the rehearsal runs their code on gloo).
 Introduced in notebook 03_ddp.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -48,7 +53,7 @@ def _child_env(rank: int, world: int, port: int) -> dict[str, str]:
 def _kill(procs: list[subprocess.Popen]) -> None:
     """SIGKILL every rank with its group and descendants (the sandbox's tree kill: a rank's own child that
     started a session of its own goes too), then reap them."""
-    from labkit.course.grading.sandbox import kill_process_tree
+    from labkit.course.grading.confine import kill_process_tree
 
     for proc in procs:
         if proc.poll() is None:
@@ -64,6 +69,136 @@ def _tail(path: Path, chars: int = _OUTPUT_CHARS) -> str:
         size = fh.seek(0, os.SEEK_END)
         fh.seek(max(0, size - chars))
         return fh.read().decode("utf-8", "replace")
+
+
+_WARM = None
+"""The forkserver context of this process inside `warm_ranks()` (None: every rank is a fresh interpreter)."""
+
+
+@contextlib.contextmanager
+def warm_ranks():
+    """Inside, ranks are forked from a forkserver that imported torch, torch.distributed and the rank entry
+    once (`multiprocessing`'s forkserver, started by the first spawn); it is stopped and reaped on the way
+    out. Each rank is still a fresh fork of that clean process: nothing one spawn's ranks did reaches the next."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    global _WARM
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", _ENTRY])
+    _WARM = ctx
+    try:
+        yield
+    finally:
+        _WARM = None
+        _stop_forkserver(forkserver)
+
+
+def _in_kernel() -> bool:
+    """Is this a Jupyter kernel (a notebook's checks and comparisons spawn again and again)?"""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    return type(shell).__name__ == "ZMQInteractiveShell"
+
+
+_KERNEL_WARM = None
+
+
+def _kernel_warm():
+    """The forkserver context of a Jupyter kernel: started by its first spawn, it lives as long as the kernel
+    (it exits when the kernel does, and is stopped and reaped at a normal kernel shutdown)."""
+    global _KERNEL_WARM
+    if _KERNEL_WARM is None:
+        import atexit
+        import multiprocessing
+        from multiprocessing import forkserver
+
+        _KERNEL_WARM = multiprocessing.get_context("forkserver")
+        _KERNEL_WARM.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", _ENTRY])
+        atexit.register(_stop_forkserver, forkserver)
+    return _KERNEL_WARM
+
+
+def _stop_forkserver(forkserver) -> None:
+    stop = getattr(forkserver._forkserver, "_stop", None)  # CPython's own (used by its tests; 3.8+)
+    if stop is not None:
+        with contextlib.suppress(FileNotFoundError):  # its socket's folder went at interpreter exit
+            stop()
+
+
+def _start_forkserver() -> None:
+    """Start the forkserver (once) with this process's import path, as a fresh rank gets it: Python 3.11's
+    forkserver imports its preloads before it would read the caller's sys.path."""
+    from multiprocessing import forkserver
+
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = _child_env(0, 1, 0)["PYTHONPATH"]
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
+class _Forked:
+    """A rank forked by the forkserver, with the Popen methods `spawn` uses (poll, wait, returncode, pid)."""
+
+    def __init__(self, ctx, work: Path, rank: int, env: dict[str, str]):
+        self.proc = ctx.Process(target=_forked_rank, args=(str(work), rank, env, os.getcwd()), daemon=False)
+        self.proc.start()
+        self.pid = self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.exitcode
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self) -> int | None:
+        self.proc.join()
+        return self.proc.exitcode
+
+
+def _forked_rank(work: str, rank: int, env: dict[str, str], cwd: str) -> None:
+    """The forked rank: what `python -m _rank` gets from Popen (own session, log as stdout/stderr, no stdin,
+    the caller's directory, environment and import path), then the same `_rank.main`, tied to the forkserver
+    (which ends with the caller)."""
+    os.setsid()
+    os.chdir(cwd)
+    log = os.open(Path(work) / f"rank_{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    null = os.open(os.devnull, os.O_RDONLY)
+    for fd, target in ((null, 0), (log, 1), (log, 2)):
+        os.dup2(fd, target)
+    os.close(log)
+    os.close(null)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:0] = [p for p in env["PYTHONPATH"].split(os.pathsep) if p not in sys.path]
+    import torch
+
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # the forkserver's torch read its own environment
+    from labkit.course.exercises._rank import main
+
+    code = main(work, os.getppid())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _start(work: Path, rank: int, world: int, port: int):
+    """One rank: forked from the forkserver inside `warm_ranks()` or in a Jupyter kernel, else a fresh
+    interpreter."""
+    ctx = _WARM or (_kernel_warm() if _in_kernel() else None)
+    if ctx is not None:
+        _start_forkserver()
+        return _Forked(ctx, work, rank, _child_env(rank, world, port))
+    with open(work / f"rank_{rank}.log", "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", _ENTRY, str(work), str(os.getpid())],
+                                env=_child_env(rank, world, port), stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _wait(procs: list[subprocess.Popen], timeout: float) -> tuple[int | None, bool]:
@@ -178,10 +313,7 @@ def spawn(fn: Callable, world: int = 2, args: tuple = (), timeout: float = DEFAU
             procs = []
             try:
                 for rank in range(world):
-                    with open(work / f"rank_{rank}.log", "wb") as log:
-                        procs.append(subprocess.Popen(
-                            [sys.executable, "-m", _ENTRY, str(work), str(os.getpid())], env=_child_env(rank, world, port),
-                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                    procs.append(_start(work, rank, world, port))
                 failed, timed_out = _wait(procs, timeout)
             finally:
                 _kill(procs)

@@ -27,6 +27,7 @@ import copy
 import hashlib
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from typing import Callable
 
@@ -227,23 +228,40 @@ def waiting():
     try:
         yield
     finally:
-        _JUDGE.acquire()
+        started = time.monotonic()
+        _JUDGE.acquire()  # waiting for other submissions' tests: not the student's time (grader_seconds)
+        _local.grader_s = grader_seconds() + time.monotonic() - started
         _local.holding, _local.cache = True, cache
         _set_rng_state(saved)
+
+
+def grader_seconds() -> float:
+    """Seconds this thread has spent on the grader's own work (references, trusted spawns, waiting for the
+    grader's lock) since it started: a student's deadline is extended by these, so a slow reference
+    never uses up the time the student's code is given (judge.RemoteStudent)."""
+    return getattr(_local, "grader_s", 0.0)
+
+
+def _timed(compute: Callable):
+    started = time.monotonic()
+    try:
+        return compute()
+    finally:
+        _local.grader_s = grader_seconds() + time.monotonic() - started
 
 
 def _cached(kind: str, fn: Callable, args: tuple, kwargs: dict, compute: Callable):
     cache = getattr(_local, "cache", None)
     if cache is None:
-        return compute()
+        return _timed(compute)
     try:
         import cloudpickle
 
         key = (kind, hashlib.sha256(cloudpickle.dumps((fn, args, sorted(kwargs.items())))).hexdigest())
     except Exception:  # noqa: BLE001 - an argument that does not pickle: just compute
-        return compute()
+        return _timed(compute)
     if key not in cache:
-        cache[key] = compute()
+        cache[key] = _timed(compute)
     return copy.deepcopy(cache[key])
 
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 from labkit.course.exercises import grading as exercise_grading
 from labkit.errors import ConfigError, GradingError
-from labkit.course.grading import feedback, gradebook, isolation, sandbox, tamper, workspace
+from labkit.course.grading import copies, gradebook, isolation, sandbox, tamper, workspace
 from labkit.course.grading.evaluate import (DEFAULT_MAX_BYTES, ERROR, INVALID, TAMPERED, TIMEOUT, Grade,
                                      SubmissionProblem, check_identity, grade_notebook, join_reasons,
                                      load_notebook)
@@ -102,13 +102,24 @@ def _with_code(grade: Grade, nb, sub: Submission, opts: GradeOptions, out_dir: P
     plan = code_plan(sub.notebook, opts)
     if not plan.exercises:
         return grade
-    box = box or Sandboxing(isolation_for(opts))
-    hidden = exercise_grading.autograder_dir(opts.autograder)
+    box = box or Sandboxing(isolation_for(opts), private_paths(opts))
     grades = exercise_grading.grade_exercises(
         nb, sub.notebook, plan, timeout_s=opts.exercise_timeout_s, memory_bytes=opts.limits.memory_bytes,
         output_bytes=opts.limits.output_bytes, isolation=box.isolation, kernel=opts.kernel,
-        private=box.hidden + (out_dir,) + ((hidden,) if hidden else ()))
+        private=box.hidden + (out_dir,))
     return exercise_grading.merge(grade, grades)
+
+
+def private_paths(opts: GradeOptions, *more: Path) -> tuple[Path, ...]:
+    """What no sandbox may see, even inside what its view shows (isolation.View.private): `more` (the
+    submissions, --out, the workspace), --checks, the hidden tests (--autograder; all of a `labkit assign`
+    release around it) and the source tree's notebooks/tests/hidden."""
+    paths = [*more, *map(Path, opts.private), exercise_grading.source_tests_dir() / "hidden"]
+    hidden = exercise_grading.autograder_dir(opts.autograder)
+    if hidden is not None:
+        release = hidden.resolve().parent
+        paths += [hidden, *([release] if (release / "notebooks").is_dir() and release != Path(release.anchor) else [])]
+    return tuple(paths)
 
 
 @dataclass(frozen=True)
@@ -151,16 +162,24 @@ def _grade(sub: Submission, opts: GradeOptions, out_dir: Path, box: Sandboxing |
         raise SubmissionProblem(INVALID, f"{sub.path.name} is not a graded course notebook ({exc})") from exc
     nb = load_notebook(sub.path, max_bytes=opts.max_bytes)
     check_identity(nb, sub.notebook)
+    marks = {"digests": _digests(nb), "signatures": copies.signatures(nb)}  # what was submitted, in both modes
+    try:
+        return replace(_graded(nb, checks, sub, opts, out_dir, box), **marks)
+    except SubmissionProblem as exc:
+        return Grade(sub.student, sub.notebook, exc.status, 0.0, _max_score(sub.notebook, opts), str(exc), **marks)
+
+
+def _graded(nb, checks, sub: Submission, opts: GradeOptions, out_dir: Path, box: Sandboxing | None) -> Grade:
     if not opts.execute:
         grade = grade_notebook(nb, sub.notebook, checks, student=sub.student)
         if grade.status == TAMPERED:
             return replace(grade, max_score=_max_score(sub.notebook, opts))
-        return _with_code(replace(grade, digests=_digests(nb)), nb, sub, opts, out_dir, box)
+        return _with_code(grade, nb, sub, opts, out_dir, box)
     # Re-running regenerates every result, but a forged seal in what was submitted is still cheating.
     forged = tamper.problems(nb, seals_only=True)
     if forged:
         raise SubmissionProblem(TAMPERED, join_reasons(forged))
-    box = box or Sandboxing(isolation_for(opts))
+    box = box or Sandboxing(isolation_for(opts), private_paths(opts))
     grade = _execute_and_grade(sub, opts, out_dir, checks, box)
     if grade.status == TAMPERED:
         return replace(grade, max_score=_max_score(sub.notebook, opts))
@@ -238,6 +257,12 @@ def _failed_cell(nb) -> int | None:
 
 
 def _failure_reason(run: sandbox.Execution, nb, opts: GradeOptions) -> str:
+    reason = _failure(run, nb, opts)
+    capped = str(run.info.get("capped", ""))
+    return f"{reason} ({capped})" if capped and capped not in reason else reason
+
+
+def _failure(run: sandbox.Execution, nb, opts: GradeOptions) -> str:
     if run.outcome in (sandbox.TIMEOUT, sandbox.KERNEL_DIED):
         cell = _last_started_cell(nb) if nb is not None else None
         where = f" in cell {cell_number(nb, cell)}" if cell is not None else ""
@@ -258,22 +283,6 @@ def _failure_reason(run: sandbox.Execution, nb, opts: GradeOptions) -> str:
     return run.detail
 
 
-def _mark_copies(rows: list[Grade]) -> list[Grade]:
-    """Identical seals in two students' notebooks: each seal has a random nonce, so one was copied."""
-    owners: dict[str, set[str]] = defaultdict(set)
-    for row in rows:
-        for digest in row.digests:
-            owners[digest].add(row.student)
-    out = []
-    for row in rows:
-        others = sorted({s for d in row.digests for s in owners[d]} - {row.student})
-        if others:
-            row = replace(row, status=TAMPERED, score=0.0, detail=f"recorded results identical to those of "
-                          f"{', '.join(others)} (each run seals a random nonce: the notebook was copied)")
-        out.append(row)
-    return out
-
-
 def grade_all(subs: list[Submission], opts: GradeOptions, out_dir: Path,
               progress: Callable[[Grade], None] | None = None, box: Sandboxing | None = None) -> list[Grade]:
     """Grade `subs` with `opts.workers` threads; rows in (student, notebook) order."""
@@ -287,7 +296,7 @@ def grade_all(subs: list[Submission], opts: GradeOptions, out_dir: Path,
             if progress is not None:
                 progress(row)
     rows.sort(key=lambda r: (r.student, r.notebook))
-    return _mark_copies(rows)
+    return rows
 
 
 @dataclass(frozen=True)
@@ -297,13 +306,17 @@ class BatchResult:
     summary: list[dict]
     isolation: Isolation | None = None
     """What executed notebooks ran under (None without --execute)."""
+    pairs: tuple = ()
+    """copies.Pair: submissions whose recorded runs are identical (review.csv)."""
+    problems: tuple[str, ...] = ()
+    """Gradebook files (other than grades.csv) or feedback pages that could not be written, one line each."""
 
 
 def _grade_copies(subs: list[Submission], opts: GradeOptions, out_dir: Path, hidden: tuple[Path, ...],
                   progress: Callable[[Grade], None] | None) -> list[Grade]:
     """Copy every submission into a private workspace, grade the copies, note originals that changed."""
     code = any(code_plan(s.notebook, opts).exercises for s in subs if s.notebook)
-    box = Sandboxing(isolation_for(opts), hidden) if opts.execute or code else None
+    box = Sandboxing(isolation_for(opts), private_paths(opts, *hidden)) if opts.execute or code else None
     received: dict[int, workspace.Received] = {}
     with tempfile.TemporaryDirectory(prefix="labkit-ws-") as ws:  # mode 0700
         for i, sub in enumerate(subs):
@@ -325,18 +338,25 @@ def _grade_copies(subs: list[Submission], opts: GradeOptions, out_dir: Path, hid
     return out
 
 
+def maxima(rows: list[Grade], opts: GradeOptions) -> dict[str, float]:
+    """The grader's plan: the points possible of each notebook in `rows` (its checks and code tests)."""
+    return {nb: _max_score(nb, opts) for nb in sorted({r.notebook for r in rows})}
+
+
 def run_batch(submissions_dir: str | Path, out_dir: str | Path, opts: GradeOptions = GradeOptions(),
-              progress: Callable[[Grade], None] | None = None) -> BatchResult:
-    """Grade every submission and write grades.csv, summary.csv, canvas.csv, received.csv, gradescope/,
-    feedback/ (and with --execute executed/ and logs/)."""
+              progress: Callable[[Grade], None] | None = None,
+              select: Callable[[list[Submission]], list[Submission]] | None = None) -> BatchResult:
+    """Grade every submission (or those `select` keeps: a shard, labkit.course.grading.shards) and write
+    grades.csv, summary.csv, canvas.csv, received.csv, review.csv, gradescope/, feedback/ (and with --execute
+    executed/ and logs/). Only grades.csv failing raises."""
     out_dir = Path(out_dir)
     subs = find_submissions(submissions_dir, opts.notebook)
+    subs = select(subs) if select is not None else subs
     out_dir.mkdir(parents=True, exist_ok=True)
-    hidden = (Path(submissions_dir), out_dir, *map(Path, opts.private))
+    hidden = (Path(submissions_dir), out_dir)
     rows = _grade_copies(subs, opts, out_dir, hidden, progress)
-    gradebook.write_grades(rows, out_dir / "grades.csv")
-    gradebook.write_summary(rows, out_dir / "summary.csv")
-    gradebook.write_canvas(rows, out_dir / "canvas.csv")
-    gradebook.write_gradescope(rows, out_dir / "gradescope")
-    feedback.write_feedback(rows, out_dir / "feedback", safe_name)
-    return BatchResult(rows, out_dir, gradebook.summary(rows), isolation_for(opts) if opts.execute else None)
+    pairs, most = copies.find_pairs(rows), maxima(rows, opts)
+    rows = gradebook.normalize(copies.flag(rows, pairs), most)
+    problems = gradebook.write_all(rows, most, out_dir, safe_name, pairs)
+    return BatchResult(rows, out_dir, gradebook.summary(rows), isolation_for(opts) if opts.execute else None,
+                       tuple(pairs), tuple(problems))

@@ -44,7 +44,11 @@ class Grade:
     detail: str
     results: tuple[CheckResult, ...] = ()
     digests: tuple[str, ...] = ()
-    """Seal digests of the graded notebook's results (copy detection across students)."""
+    """Seal digests of the submitted notebook's results (a copy of the same file shares them)."""
+    signatures: tuple[str, ...] = ()
+    """Digests of the measured values of its recorded runs (labkit.course.grading.copies: a copy shares them)."""
+    review: str = ""
+    """A note for the instructor (grades.csv, never the student's feedback): e.g. runs identical to another's."""
 
 
 def load_notebook(path: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_BYTES):

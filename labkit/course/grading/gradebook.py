@@ -6,6 +6,11 @@
   notebook, a 'Points Possible' row); the student directory name goes in 'SIS Login ID';
 - `gradescope/<notebook>.csv`: Gradescope score upload (Name, SID, Email, Score); the directory name is
   the SID, and the Email too when it looks like one.
+
+Every file is a function of the rows and the grader's plan (`maxima`: the points possible per notebook, never
+taken from a submission), so the rows of several grading runs (shards) merge into one gradebook. `write_all`
+writes each file on its own: a row that breaks one file never stops the others, and every text field a
+submission can influence goes through `clean` (any value becomes printable UTF-8 of bounded length).
 """
 from __future__ import annotations
 
@@ -14,23 +19,50 @@ import hashlib
 import re
 from collections import Counter, defaultdict
 from pathlib import Path
+from dataclasses import replace
 from typing import Any, Iterable, Sequence
 
 from labkit.course.grading.evaluate import STATUSES, Grade
 
 GRADES_COLUMNS = ("student", "notebook", "score", "max_score", "status", "detail")
 CANVAS_ID_COLUMNS = ("Student", "ID", "SIS User ID", "SIS Login ID", "Section")
+#: Characters any one text field keeps (a reason, a message): a row stays a row, a page a page.
+FIELD_CHARS = 2000
+
+
+def clean(value: Any, limit: int = FIELD_CHARS) -> str:
+    """`value` as printable UTF-8 text of at most `limit` characters: str() of anything (a list, bytes, an
+    object whose __str__ raises), lone surrogates and NUL replaced."""
+    try:
+        text = value if type(value) is str else str(value)
+    except Exception:  # noqa: BLE001 - an object whose __str__ raises
+        text = f"<unprintable {type(value).__name__}>"
+    text = text[:limit + 1].encode("utf-8", "replace").decode("utf-8").replace("\x00", "\ufffd")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def normalize(rows: Sequence[Grade], maxima: dict[str, float]) -> list[Grade]:
+    """Every row out of the plan's maximum for its notebook (`maxima`), its score within [0, that maximum]:
+    nothing a submission made of its row changes what is possible, for it or for anyone else."""
+    out = []
+    for row in rows:
+        most = float(maxima.get(row.notebook, row.max_score))
+        score = min(max(float(row.score), 0.0), most)
+        note = "" if score == row.score else f"; score {row.score:g} outside [0, {most:g}]: clamped (please report it)"
+        out.append(replace(row, score=score, max_score=most, detail=row.detail + note))
+    return out
 
 
 def safe_name(name: str) -> str:
     """A unique file name for `name` (student directories and notebook names come from anyone)."""
     safe = re.sub(r"[^A-Za-z0-9._@-]", "_", name).lstrip(".") or "_"
-    return safe if safe == name else f"{safe}-{hashlib.sha1(name.encode()).hexdigest()[:6]}"
+    # surrogatepass: a directory name that is not UTF-8 (os.listdir's surrogateescape) still hashes
+    return safe if safe == name else f"{safe}-{hashlib.sha1(name.encode('utf-8', 'surrogatepass')).hexdigest()[:6]}"
 
 
 def _text(value: Any) -> str:
     """A CSV field a spreadsheet will not execute (student-controlled text may start with '=')."""
-    text = str(value).replace("\r", " ").replace("\n", " ")
+    text = clean(value).replace("\r", " ").replace("\n", " ")
     return "'" + text if text[:1] in ("=", "+", "-", "@", "\t") else text
 
 
@@ -48,12 +80,13 @@ def _write(path: Path, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> 
 
 
 def write_grades(rows: Sequence[Grade], path: Path) -> Path:
-    return _write(path, GRADES_COLUMNS, ([_text(r.student), _text(r.notebook), _num(r.score),
-                                          _num(r.max_score), r.status, _text(r.detail)] for r in rows))
+    return _write(path, GRADES_COLUMNS, ([_text(r.student), _text(r.notebook), _num(r.score), _num(r.max_score),
+                                          r.status, _text("; ".join(filter(None, (r.detail, r.review))))]
+                                         for r in rows))
 
 
 def summary(rows: Sequence[Grade]) -> list[dict[str, Any]]:
-    """Per notebook: submissions, the count of each status, mean and max score."""
+    """Per notebook: submissions, the count of each status, mean and max score (rows normalized first)."""
     by_nb: dict[str, list[Grade]] = defaultdict(list)
     for row in rows:
         by_nb[row.notebook or "(none)"].append(row)
@@ -72,12 +105,12 @@ def write_summary(rows: Sequence[Grade], path: Path) -> Path:
     return _write(path, cols, ([_text(row[c]) if c == "notebook" else row[c] for c in cols] for row in table))
 
 
-def write_canvas(rows: Sequence[Grade], path: Path) -> Path:
+def write_canvas(rows: Sequence[Grade], path: Path, maxima: dict[str, float]) -> Path:
+    """canvas.csv; 'Points Possible' is the plan's maximum of each notebook."""
     notebooks = sorted({r.notebook for r in rows if r.notebook})
     students = sorted({r.student for r in rows})
     score = {(r.student, r.notebook): r.score for r in rows}
-    maxima = {r.notebook: r.max_score for r in rows}
-    lines = [["Points Possible", "", "", "", "", *(_num(maxima[n]) for n in notebooks)]]
+    lines = [["Points Possible", "", "", "", "", *(_num(maxima.get(n, 0.0)) for n in notebooks)]]
     for s in students:
         lines.append([_text(s), "", "", _text(s), "",
                       *(_num(score[(s, n)]) if (s, n) in score else "" for n in notebooks)])
@@ -92,3 +125,24 @@ def write_gradescope(rows: Sequence[Grade], directory: Path) -> list[Path]:
                  for r in group)
         paths.append(_write(directory / f"{safe_name(notebook)}.csv", ("Name", "SID", "Email", "Score"), lines))
     return paths
+
+
+def write_all(rows: Sequence[Grade], maxima: dict[str, float], out_dir: Path, file_name=safe_name,
+              pairs: Sequence = ()) -> list[str]:
+    """Write grades.csv (first: an OSError there is the caller's), then summary.csv, canvas.csv, gradescope/,
+    review.csv and feedback/, each on its own; the problems of those that failed, one line each."""
+    from labkit.course.grading import copies, feedback
+
+    rows = normalize(rows, maxima)
+    write_grades(rows, out_dir / "grades.csv")
+    writers = {"summary.csv": lambda: write_summary(rows, out_dir / "summary.csv"),
+               "canvas.csv": lambda: write_canvas(rows, out_dir / "canvas.csv", maxima),
+               "gradescope/": lambda: write_gradescope(rows, out_dir / "gradescope"),
+               "review.csv": lambda: copies.write_review(list(pairs), out_dir / "review.csv")}
+    problems = []
+    for name, write in writers.items():
+        try:
+            write()
+        except Exception as exc:  # noqa: BLE001 - one file's failure never costs the others
+            problems.append(f"{name} not written: {type(exc).__name__}: {clean(exc, 200)}")
+    return problems + feedback.write_feedback(rows, out_dir / "feedback", file_name)

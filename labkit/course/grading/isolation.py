@@ -1,10 +1,12 @@
-"""What an executed submission can see and touch (`labkit grade --execute`; threat model in docs/grading.md).
+"""What a sandboxed process can see and touch (`labkit grade`; threat model in docs/grading.md).
 
-Each execution gets a `View`: the whole file system read-only, one writable scratch directory (a fresh,
-size-capped tmpfs), and some paths that are not there at all: the private ones (checks files, the --out
-folder, the submissions, the grader's workspace) and the masked ones (homes, the temp dir), inside which
-only what the kernel needs to start (the venv, the Python install, labkit's source, the kernel spec) is
-bound back, read-only.
+Each sandbox (an executed notebook, an exercise's student process) gets a `View` built from nothing: the
+system's directories (`SYSTEM`) and what the process needs to run (`runtime_paths`: the Python install and
+environment, the installed labkit package and the data it reads, the kernel spec), all read-only at their own
+paths, plus one writable scratch directory (a fresh, size-capped tmpfs). Nothing else exists there: not the
+repository the package came from (its notebooks/tests/hidden, a release written inside it), not the
+submissions, --out, --checks, --autograder, homes or the temp dir. `private` paths are hidden even when they
+lie inside a shown one.
 
 Levels, best first:
 - `bubblewrap`: Debian's `bwrap` builds the view in new mount, PID, network, IPC and UTS namespaces, with
@@ -13,6 +15,7 @@ Levels, best first:
   and network namespaces, where bubblewrap is missing;
 - `none`: no file-system isolation. Network and PID namespaces are still used where `unshare` allows;
   `labkit grade --execute` refuses this level unless `--unsafe-no-isolation` is given.
+Memory and tasks are capped per sandbox apart from the view (labkit.course.grading.confine).
 """
 from __future__ import annotations
 
@@ -43,20 +46,26 @@ class Isolation:
         return self.level != NONE
 
 
+#: System directories every view shows read-only (a symlink, as in merged-/usr systems, stays a symlink).
+#: Not /opt, /srv, /home, /root, /tmp, /var, /run or /mnt: a course tree or a release may live there.
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/sys")
+#: What of the source tree a sandboxed process needs besides the labkit package (its data lives inside it;
+#: labkit.lockfile reads the lock): shown alone, so nothing else of the tree is there.
+TREE_RUNTIME = ("requirements/lock.txt",)
+
+
 @dataclass(frozen=True)
 class View:
-    """The file system one execution sees."""
+    """The file system one sandbox sees: SYSTEM and `shown` read-only, one scratch, nothing else."""
 
     scratch: Path
     """The only writable directory: a fresh tmpfs mounted at this path."""
     scratch_bytes: int
     """Size of the scratch tmpfs (and of /dev/shm): writing more fails with 'No space left on device'."""
     private: tuple[Path, ...] = ()
-    """Never visible, whatever else is needed (checks files, --out, submissions, workspace)."""
-    masked: tuple[Path, ...] = ()
-    """Hidden, except the `needed` paths inside them (homes, the temp dir)."""
-    needed: tuple[Path, ...] = ()
-    """Bound back read-only when inside a masked path: what the kernel needs to start."""
+    """Never visible, even inside a shown path (checks files, --out, submissions, workspace, the autograder)."""
+    shown: tuple[Path, ...] = ()
+    """Shown read-only at their own paths besides SYSTEM: what the process needs to run (runtime_paths)."""
     network: bool = False
 
 
@@ -76,72 +85,56 @@ def _existing(paths) -> tuple[Path, ...]:
     return tuple(out)
 
 
-def mount_plan(view: View) -> list[tuple[str, Path]]:
-    """Ordered mounts over a read-only `/`: ('tmpfs', p) hides p, ('bind', p) shows host p read-only,
-    ('symlink', p) recreates the host symlink p. Applied shallowest first, so a later mount can re-hide
-    inside what an earlier one showed (a checks file inside the source tree that must be shown)."""
-    private, masked = _existing(view.private), _existing(view.masked)
-    needed = tuple(n for n in _existing(view.needed) if not any(_within(n, p) for p in private))
-    events = {(len(p.parts), 0, "mask", p) for p in masked + tuple(p for p in private if p.is_dir())}
-    # A private file is hidden by masking its directory and showing the directory's other entries again.
-    events |= {(len(p.parent.parts), 2, "except", p.parent) for p in private if not p.is_dir()}
-    events |= {(len(n.parts), 1, "expose", n) for n in needed}
-    state: list[tuple[Path, str, frozenset]] = []  # (path, "mask" | "show" | "except", entries kept)
-
-    def visible(p: Path) -> bool:
-        best, seen = (-1, True), True
-        for path, kind, keep in state:
-            if not _within(p, path) or len(path.parts) < best[0]:
-                continue
-            if kind == "except" and p != path:
-                seen = path / p.relative_to(path).parts[0] in keep
-            else:
-                seen = kind != "mask"
-            best = (len(path.parts), seen)
-        return best[1]
-
-    ops: list[tuple[str, Path]] = []
-    for _, _, kind, p in sorted(events):
-        if kind == "mask" and visible(p):
-            ops.append(("tmpfs", p))
-            state.append((p, "mask", frozenset()))
-        elif kind == "expose" and not visible(p):
-            ops.append(("bind", p))
-            state.append((p, "show", frozenset()))
-        elif kind == "except" and visible(p):
-            keep = frozenset(c for c in p.iterdir() if c not in private)
-            ops.append(("tmpfs", p))
-            ops += [("symlink" if c.is_symlink() else "bind", c) for c in sorted(keep)]
-            state.append((p, "except", keep))
+def mount_plan(view: View) -> list[tuple[str, Path, str]]:
+    """The view as ordered (kind, path, source) over an empty root: ('symlink', p, target) recreates a host
+    symlink, ('bind', p, host path) shows a host path read-only at p, ('tmpfs', p, '') and ('null', p, '')
+    hide a private directory / file that lies inside a shown path."""
+    ops: list[tuple[str, Path, str]] = []
+    shown: list[Path] = []
+    for name in SYSTEM:
+        p = Path(name)
+        if p.is_symlink():
+            ops.append(("symlink", p, os.readlink(p)))
+        elif p.is_dir():
+            shown.append(p)
+    literal = [Path(os.path.abspath(p)) for p in view.shown]
+    for p in sorted({*_existing(view.shown), *(p for p in literal if p.exists())}, key=lambda p: len(p.parts)):
+        if not any(_within(p, s) for s in shown) and not any(_within(p, Path(s)) for k, s, _ in ops):
+            shown.append(p)
+    ops += [("bind", p, str(p.resolve())) for p in shown]
+    for p in sorted(_existing(view.private), key=lambda p: len(p.parts)):
+        if any(_within(p, s) for s in shown):
+            ops.append(("tmpfs" if p.is_dir() else "null", p, ""))
     return ops
 
 
 def bwrap_command(view: View, argv: list[str]) -> list[str]:
-    """`bwrap ... -- argv` building `view`."""
-    cmd = [shutil.which("bwrap") or "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-           "--unshare-all", *(["--share-net"] if view.network else []), "--die-with-parent", "--new-session",
-           "--cap-drop", "ALL", "--size", str(view.scratch_bytes), "--tmpfs", "/dev/shm"]
+    """`bwrap ... -- argv` building `view` on a fresh root."""
+    cmd = [shutil.which("bwrap") or "bwrap", "--dev", "/dev", "--proc", "/proc", "--unshare-all",
+           *(["--share-net"] if view.network else []), "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     hidden = []
-    for kind, p in mount_plan(view):
-        if kind == "tmpfs":
+    for kind, p, source in mount_plan(view):
+        if kind == "symlink":
+            cmd += ["--symlink", source, str(p)]
+        elif kind == "bind":
+            cmd += ["--ro-bind", source, str(p)]
+        elif kind == "tmpfs":
             cmd += ["--tmpfs", str(p)]
             hidden.append(p)
-        elif kind == "bind":
-            cmd += ["--ro-bind", str(p), str(p)]
         else:
-            cmd += ["--symlink", os.readlink(p), str(p)]
-    cmd += ["--size", str(view.scratch_bytes), "--tmpfs", str(view.scratch)]
-    # Masks are empty tmpfs: read-only, so they are not free memory for the notebook to fill.
-    for p in [Path("/dev"), *hidden]:
+            cmd += ["--ro-bind", "/dev/null", str(p)]
+    cmd += ["--size", str(view.scratch_bytes), "--tmpfs", "/dev/shm",
+            "--size", str(view.scratch_bytes), "--tmpfs", str(view.scratch)]
+    # The root and the masks are tmpfs: read-only, so they are not free memory for the notebook to fill.
+    for p in [Path("/dev"), *hidden, Path("/")]:
         cmd += ["--remount-ro", str(p)]
     return [*cmd, "--chdir", str(view.scratch), "--", *argv]
 
 
 def unshare_command(view: View, argv: list[str]) -> list[str]:
     """`unshare ... python -m labkit.course.grading.mountns PLAN -- argv` building `view` (level mount-namespace)."""
-    ops = mount_plan(view)
-    plan = {"ops": [(kind, str(p)) for kind, p in ops], "scratch": str(view.scratch),
-            "scratch_bytes": view.scratch_bytes, "links": {str(p): os.readlink(p) for k, p in ops if k == "symlink"}}
+    plan = {"ops": [(kind, str(p), source) for kind, p, source in mount_plan(view)], "scratch": str(view.scratch),
+            "scratch_bytes": view.scratch_bytes}
     ip = shutil.which("ip") or shutil.which("ip", path="/usr/sbin:/sbin") or "ip"
     net = () if view.network else ("--net", "sh", "-c", f'{ip} link set lo up && exec "$@"', "sh")
     return [shutil.which("unshare") or "unshare", "--user", "--map-root-user", "--mount", "--propagation", "private",
@@ -158,21 +151,24 @@ def command(iso: Isolation, view: View, argv: list[str]) -> list[str]:
     return [*(() if view.network else _unshare_prefix()[0]), *argv]
 
 
-def default_masked() -> tuple[Path, ...]:
-    """Homes (the grader's and every user's) and the temp dir (other executions' scratch lives there)."""
-    return _existing([Path.home(), os.environ.get("HOME", "/root"), "/root", "/home", tempfile.gettempdir()])
-
-
 def runtime_paths(kernel: str) -> tuple[Path, ...]:
-    """What the kernel needs readable: the Python install and venv, sys.path, labkit and the kernel spec."""
+    """What a sandboxed process needs readable besides SYSTEM: the Python install and environment, the user
+    site, the installed labkit package and TREE_RUNTIME beside it, the kernel spec, the DeepSpeed op cache.
+    Never the tree the package sits in (its notebooks/tests/hidden, a release written inside it)."""
+    import site
+
     import labkit
 
-    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, Path(sys.executable).resolve().parents[1],
-             Path(labkit.__file__).resolve().parents[1], *[p for p in sys.path if p],
-             *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    package = Path(labkit.__file__).resolve().parent
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, Path(sys.executable).resolve().parents[1], package,
+             *[package.parent / p for p in TREE_RUNTIME]]
+    if site.ENABLE_USER_SITE:
+        paths.append(site.getusersitepackages())
     spec = kernel_spec_dir(kernel)
     if spec is not None:
         paths.append(spec)
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        paths.append(os.environ["TORCH_EXTENSIONS_DIR"])
     return _existing(paths)
 
 
@@ -188,7 +184,7 @@ def _probe(level: str, network: bool) -> str | None:
     """None when `level` builds a view on this machine, else why not (last line of its error)."""
     with tempfile.TemporaryDirectory(prefix="labkit-probe-") as tmp:
         scratch = Path(tmp).resolve()
-        view = View(scratch, 2**20, masked=(scratch.parent,), network=network)
+        view = View(scratch, 2**20, network=network)
         try:
             probe = subprocess.run(command(Isolation(level, "", False), view, ["true"]), capture_output=True,
                                    timeout=30, env={**os.environ, "PYTHONPATH": labkit_path()})
@@ -210,23 +206,26 @@ def labkit_path() -> str:
 @functools.lru_cache(maxsize=None)
 def detect(network: bool = False) -> Isolation:
     """The best isolation this machine allows (probed once per process)."""
+    from labkit.course.grading import confine
+
     net = "network allowed" if network else "no network"
-    hidden = f"private scratch tmpfs, checks/--out/other submissions/homes hidden, {net}, own PID namespace"
+    hidden = (f"only the system, the Python environment and the labkit package visible, read-only; private "
+              f"scratch tmpfs; {net}; own PID namespace; {confine.detect().describe()}")
     why = "bubblewrap not installed: `sudo apt-get install bubblewrap` (`make test` installs it)"
     if shutil.which("bwrap"):
         failed = _probe(BUBBLEWRAP, network)
         if failed is None:
             version = subprocess.run(["bwrap", "--version"], capture_output=True, text=True).stdout.strip()
-            return Isolation(BUBBLEWRAP, f"{version or 'bubblewrap'}: read-only file system, {hidden}", not network)
+            return Isolation(BUBBLEWRAP, f"{version or 'bubblewrap'}: {hidden}", not network)
         why = f"bubblewrap failed: {failed}"
     if shutil.which("unshare"):
         failed = _probe(MOUNT_NS, network)
         if failed is None:
-            return Isolation(MOUNT_NS, f"unshare (no bubblewrap: {why}): read-only file system, {hidden}",
+            return Isolation(MOUNT_NS, f"unshare (no bubblewrap: {why}): {hidden}",
                              not network)
         why += f"; unshare failed: {failed}"
     prefix, net = ((), "network allowed") if network else _unshare_prefix()
-    return Isolation(NONE, f"file system NOT isolated ({why}); {net}", bool(prefix))
+    return Isolation(NONE, f"file system NOT isolated ({why}); {net}; {confine.detect().describe()}", bool(prefix))
 
 
 @functools.lru_cache(maxsize=1)

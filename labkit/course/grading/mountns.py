@@ -1,14 +1,16 @@
 """The `mount-namespace` isolation level: `isolation.View` built with plain `unshare` where bubblewrap is missing.
 
 `unshare --user --map-root-user --mount --net --pid ...` gives a process that is root in its own user and
-mount namespaces; `python -m labkit.course.grading.mountns PLAN -- ARGV` (run there) applies the same mount plan
-bubblewrap would, makes every mount read-only but the scratch tmpfs and /dev/shm, drops every capability
-(root in the namespace could otherwise unmount a mask) and execs ARGV. Mounts inherited from the host are
-locked by the kernel (they cannot be unmounted from inside, or made writable again).
+mount namespaces; `python -m labkit.course.grading.mountns PLAN -- ARGV` (run there) builds the view bubblewrap
+would on a fresh tmpfs root (the plan's binds, symlinks and masks, /proc, /dev, the scratch), pivots into it
+and detaches the host's root, makes every mount read-only but the scratch tmpfs and /dev/shm, drops every
+capability (root in the namespace could otherwise unmount a mask) and execs ARGV. Mounts inherited from the
+host are locked by the kernel (they cannot be unmounted from inside, or made writable again).
 """
 from __future__ import annotations
 
 import ctypes
+import encodings.unicode_escape  # noqa: F401 - decoded after pivot_root, where the stdlib need not be shown
 import errno
 import json
 import os
@@ -60,32 +62,55 @@ def _remount_ro(point: str) -> None:
     _mount(None, point, None, flags)
 
 
+#: pivot_root(2) has no libc wrapper: its syscall number per architecture.
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
+_MNT_DETACH = 2
+
+
+def _inside(root: Path, path: str) -> Path:
+    return root / Path(path).relative_to("/")
+
+
 def apply(plan: dict) -> None:
-    """Build the view: masks and binds in plan order, scratch and /dev/shm tmpfs, all else read-only."""
+    """Build the view on a fresh root and enter it: plan ops in order, /proc, /dev, scratch and /dev/shm
+    tmpfs, then pivot_root and everything but the scratch and /dev/shm read-only."""
     _mount(None, "/", None, MS_REC | (1 << 18))  # MS_PRIVATE: nothing propagates back to the host
-    ops = plan["ops"]
-    # Sources are opened before anything is masked: a bind re-shows what a mask just covered.
-    fds = {p: os.open(p, os.O_PATH | os.O_NOFOLLOW) for kind, p in ops if kind == "bind"}
-    for kind, p in ops:
-        if kind == "tmpfs":
-            _tmpfs(p, 2**20)
+    root = Path(plan["scratch"])  # the new root's tmpfs covers the scratch's host directory: nothing left behind
+    _tmpfs(str(root), 2**20)
+    for kind, p, source in plan["ops"]:
+        target = _inside(root, p)
+        if kind == "symlink":
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(source, target)
         elif kind == "bind":
-            _mountpoint(Path(p), os.path.isdir(f"/proc/self/fd/{fds[p]}"))
-            _mount(f"/proc/self/fd/{fds[p]}", p, None, MS_BIND | MS_REC)
-        else:
-            os.symlink(plan["links"][p], p)
-    for fd in fds.values():
-        os.close(fd)
+            _mountpoint(target, os.path.isdir(source))
+            _mount(source, str(target), None, MS_BIND | MS_REC)
+        elif kind == "tmpfs":
+            _tmpfs(str(target), 2**20)
+        else:  # a private file inside a shown directory
+            _mount("/dev/null", str(target), None, MS_BIND)
+    for special in ("/proc", "/dev"):
+        _mountpoint(_inside(root, special), True)
+        _mount(special, str(_inside(root, special)), None, MS_BIND | MS_REC)
     writable = {plan["scratch"], "/dev/shm"}
     for p in sorted(writable):
-        Path(p).mkdir(parents=True, exist_ok=True)  # the scratch's host directory may sit under a mask now
-        _tmpfs(p, plan["scratch_bytes"])
+        _mountpoint(_inside(root, p), True)
+        _tmpfs(str(_inside(root, p)), plan["scratch_bytes"])
+    old = root / ".old"
+    old.mkdir()
+    number = _SYS_PIVOT_ROOT.get(os.uname().machine)
+    if number is None or _libc.syscall(number, str(root).encode(), str(old).encode()) != 0:
+        raise OSError(ctypes.get_errno(), f"pivot_root on {os.uname().machine}")
+    os.chdir("/")
+    if _libc.umount2(b"/.old", _MNT_DETACH) != 0:
+        raise OSError(ctypes.get_errno(), "umount2(/.old)")
+    os.rmdir("/.old")
     for point in _mount_points():
         if point in writable or any(point.startswith(w + "/") for w in writable):
             continue
         try:
             _remount_ro(point)
-        except OSError as exc:  # a mount point now covered by a mask: nothing reaches it any more
+        except OSError as exc:  # a mount point now covered by another mount: nothing reaches it any more
             if exc.errno not in (errno.ENOENT, errno.EACCES, errno.ENOTDIR):
                 raise
 

@@ -4,13 +4,14 @@ Limits, and how each is enforced:
 - time: papermill's per-cell `execution_timeout`, plus a hard wall-clock kill of the whole process tree
   at `timeout_s + GRACE_S` (a notebook of many slow cells, a hung kernel start);
 - memory: RLIMIT_AS set in the executor before papermill starts, inherited by the kernel and anything it
-  spawns (an allocation past the cap raises MemoryError in the student's cell);
-- files: everything read-only but a size-capped scratch tmpfs, and the private paths not there at all
-  (labkit.course.grading.isolation); RLIMIT_FSIZE (a runaway write is stopped), RLIMIT_CORE 0;
+  spawns (an allocation past the cap raises MemoryError in the student's cell), and the same cap on the whole
+  tree together, tasks too (labkit.course.grading.confine: a cgroup, else polling): forked children share it;
+- files: only the system, the Python environment and the labkit package, read-only, and a size-capped scratch
+  tmpfs; nothing else is there (labkit.course.grading.isolation); RLIMIT_FSIZE, RLIMIT_CORE 0;
 - output: the executed notebook's size is polled while it runs (in the executor) and the report's size
   (in the grader), and checked before it is ever read;
 - network and processes: new network and PID namespaces, so killing the executor kills every process the
-  notebook started.
+  notebook started; the parent-death signal, so a killed grader leaves none behind.
 The executor reads the submission on stdin and writes one report (a JSON line, then the executed notebook)
 to an inherited file descriptor: nothing the grader reads back lies in a directory the notebook can write.
 Run `labkit grade --execute` as an unprivileged user where possible: root can raise its own limits.
@@ -27,12 +28,14 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from labkit.errors import ConfigError
+from labkit.course.grading import confine
 from labkit.course.grading import isolation as iso_mod
+from labkit.course.grading.confine import kill_process_tree
 from labkit.course.grading.isolation import Isolation, View
 
 OK, CELL_ERROR, KERNEL_DIED, TIMEOUT, OUTPUT_CAP, FAILED = (
@@ -89,24 +92,6 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
-
-
-def kill_process_tree(pid: int) -> None:
-    """SIGKILL `pid` and every descendant (kernels start their own sessions, so killpg alone misses them)."""
-    try:
-        import psutil
-        children = psutil.Process(pid).children(recursive=True)
-    except Exception:  # noqa: BLE001 - the process may already be gone
-        children = []
-    for p in children:
-        try:
-            p.kill()
-        except Exception:  # noqa: BLE001
-            pass
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _watch(proc: subprocess.Popen, report: Path, limits: Limits) -> str | None:
@@ -176,21 +161,41 @@ def execute(src: str | os.PathLike, dst: str | os.PathLike, *, workdir: str | os
     dst.parent.mkdir(parents=True, exist_ok=True)
     # Under bubblewrap a fresh tmpfs covers `workdir`, hiding the report and log kept there.
     scratch = workdir if iso.level == iso_mod.BUBBLEWRAP else workdir / "scratch"
+    scratch.mkdir(exist_ok=True)  # the mount-namespace level mounts its new root over it
     view = View(scratch, limits.scratch_bytes, private=tuple(private) + (src.parent,),
-                masked=iso_mod.default_masked(), needed=iso_mod.runtime_paths(kernel), network=limits.network)
+                shown=iso_mod.runtime_paths(kernel), network=limits.network)
     report_path, log_path = workdir / "report", workdir / "executor.log"
+    box = confine.detect().box(limits.memory_bytes)
     argv = [sys.executable, "-m", "labkit.course.grading.sandbox", str(scratch), "--kernel", kernel,
-            "--timeout", str(limits.timeout_s), "--memory", str(limits.memory_bytes),
+            "--timeout", str(limits.timeout_s), "--memory", str(limits.memory_bytes), "--tasks", str(box.child_tasks()),
             "--file-bytes", str(limits.file_bytes), "--output-bytes", str(limits.output_bytes),
             "--scratch-bytes", str(limits.scratch_bytes), "--parameters", json.dumps(parameters or {})]
-    with log_path.open("wb") as log, report_path.open("wb") as report, src.open("rb") as stdin:
-        argv += ["--report-fd", str(report.fileno())]
-        proc = subprocess.Popen(iso_mod.command(iso, view, argv), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=stdin, pass_fds=(report.fileno(),), start_new_session=True,
-                                env={**scratch_env(scratch, kernel), GRADED_RUN_ENV: "1"}, cwd=workdir)
-        killed = _watch(proc, report_path, limits)
+    try:
+        with log_path.open("wb") as log, report_path.open("wb") as report, src.open("rb") as stdin:
+            argv += ["--report-fd", str(report.fileno())]
+            proc = subprocess.Popen(box.command(iso_mod.command(iso, view, argv)), stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=stdin, pass_fds=(report.fileno(),),
+                                    start_new_session=True, env={**scratch_env(scratch, kernel), GRADED_RUN_ENV: "1"},
+                                    cwd=workdir)
+            box.watch(proc)
+            killed = _watch(proc, report_path, limits)
+        capped = box.exceeded()
+    finally:
+        box.close()
+    run = _outcome(killed, proc, report_path, log_path, dst, limits, iso)
+    if capped and run.outcome != OK:
+        return replace(run, detail=f"{run.detail} ({capped})" if run.detail else capped, info={**run.info, "capped": capped})
+    return run
+
+
+def _outcome(killed: str | None, proc: subprocess.Popen, report_path: Path, log_path: Path, dst: Path, limits: Limits,
+             iso: Isolation) -> Execution:
     if killed == OUTPUT_CAP:
         return Execution(OUTPUT_CAP, _cap_detail(limits.output_bytes), None, iso)
+    size = _size(report_path)
+    if killed is None and size > limits.output_bytes + 2**16:
+        return Execution(OUTPUT_CAP, f"its report is {size / 2**20:.1f} MiB, above the {limits.output_bytes / 2**20:g} "
+                         "MiB output cap; refused unread", None, iso)
     result = _read_report(report_path, dst, limits) if killed is None else None
     output = dst if dst.exists() else None
     if killed == TIMEOUT:
@@ -206,9 +211,12 @@ def execute(src: str | os.PathLike, dst: str | os.PathLike, *, workdir: str | os
 
 
 # ---------------------------------------------------------------- the executor (inside the sandbox)
-def _apply_limits(memory_bytes: int, file_bytes: int) -> None:
+def _apply_limits(memory_bytes: int, file_bytes: int, tasks: int = 0) -> None:
+    """Per-process caps, inherited by everything this process starts; `tasks` (polled confinement only) caps the
+    processes and threads of the whole sandbox, where it has a user namespace of its own to count them in."""
     import resource
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    confine.cap_tasks(tasks)
     resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
@@ -283,13 +291,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernel", default="labkit")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--memory", type=int, default=Limits.memory_bytes)
+    parser.add_argument("--tasks", type=int, default=0)
     parser.add_argument("--file-bytes", type=int, default=Limits.file_bytes)
     parser.add_argument("--output-bytes", type=int, default=Limits.output_bytes)
     parser.add_argument("--scratch-bytes", type=int, default=Limits.scratch_bytes)
     parser.add_argument("--parameters", default="{}")
     args = parser.parse_args(argv)
     os.set_inheritable(args.report_fd, False)  # the kernel gets no handle on the report
-    _apply_limits(args.memory, args.file_bytes)
+    _apply_limits(args.memory, args.file_bytes, args.tasks)
     for name in ("cwd", "home", "tmp", "runtime", "ipython", "mpl", "cache", "config"):
         (args.scratch / name).mkdir(parents=True, exist_ok=True)
     src, dst = args.scratch / "submission.ipynb", args.scratch / "executed.ipynb"

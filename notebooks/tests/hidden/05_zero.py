@@ -1,53 +1,72 @@
-"""Hidden tests of notebook 05's exercises: more budgets and precisions, stage 3 with both offloads, bf16."""
-from labkit.course.exercises import case
+"""Hidden tests of notebook 05's exercises (run by `labkit grade`; students see only pass/fail per test and
+VARIES). They reuse the visible file's checks with other inputs; expected rungs come from labkit's
+estimator, computed here, never where the student's code runs."""
+from labkit.course.exercises import case, reference
+from labkit.course.exercises.cases import visible_twin
 
-#: LEGACY: these exercises' tests still run in the student's process; port them to `student.call /
-#: run / spawn` (docs/grading.md, "Porting a legacy exercise") and remove their names here.
-LEGACY = {"pick_zero", "make_ds_config"}
+visible = visible_twin(__labkit_test_file__)  # noqa: F821 - set by the test loader
 
+#: What the hidden tests vary, per exercise: `ex.check` and `labkit check` show this line, nothing else.
+VARIES = {
+    "pick_zero": "other models, budgets and dp sizes, and the fp32 and pure bf16 precisions",
+    "make_ds_config": "other stages, dp sizes and accumulation steps, bf16 with an offloaded optimizer",
+}
+
+#: Classic mistakes. (fragment, replacement, fix): a VISIBLE test must fail with `fix` in its message;
+#: (fragment, replacement): any test may catch it (tests/test_exercises_ci.py checks both).
 MUTANTS = {
     "pick_zero": [
-        ("budget_gib * 2**30", "budget_gib * 1e9"),  # GB for GiB
-        ("precision=precision", "precision='mixed-bf16'"),
-        ("dp=dp)", "dp=1)"),
-        ("    return None", "    return LADDER[-1]"),
+        ("budget_gib * 2**30", "budget_gib * 1e9", "a GiB is 2**30 bytes"),
+        ("precision=precision", "precision='mixed-bf16'", "pass precision=precision"),
+        ("dp=dp)", "dp=1)", "pass dp=dp"),
+        ("    return None", "    return LADDER[-1]", "when no rung fits, return None"),
+        ("for stage, offload in LADDER:", "for stage, offload in reversed(LADDER):", "the FIRST rung"),
+        ("offload=offload", "offload='none'", "pass offload=offload"),
+        ("<= budget_gib", "< budget_gib"),
     ],
     "make_ds_config": [
-        ('zero["offload_param"] = {"device": "cpu", "pin_memory": False}', "pass"),
-        ('"bf16": {"enabled": bf16}', '"bf16": {"enabled": False}'),
-        ('"train_batch_size": micro_batch * accum * dp', '"train_batch_size": micro_batch * dp'),
+        ('"train_batch_size": micro_batch * accum * dp', '"train_batch_size": micro_batch * dp',
+         "train_batch_size = micro_batch x accum x dp"),
+        ('zero["offload_param"] = {"device": "cpu", "pin_memory": False}', "pass", "offload the parameters"),
+        ('"bf16": {"enabled": bf16}', '"bf16": {"enabled": False}', '"bf16": {"enabled": bf16}'),
+        ('"pin_memory": False', '"pin_memory": True', '"pin_memory": False'),
+        ('{"lr": lr}', '{"lr": 1e-4}', "pass the lr"),
+        ('if offload in ("optimizer", "optimizer+params"):', 'if offload == "optimizer":',
+         "offload the optimizer's states and step"),
+        ('"stage": stage', '"stage": min(stage, 2)'),
+        ('"gradient_accumulation_steps": accum', '"gradient_accumulation_steps": 1'),
     ],
 }
 
 
+def _pick(budget, model, dp, precision):
+    """The first rung of the notebook's LADDER that fits, by labkit's estimator (the grader's own)."""
+    from labkit.memory.estimate import MemoryConfig, estimate
+
+    ladder = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "optimizer"), (3, "optimizer"),
+              (3, "optimizer+params")]
+    for stage, offload in ladder:
+        cfg = MemoryConfig(model=model, precision=precision, zero=stage, offload=offload, dp=dp)
+        if estimate(cfg).model_states <= budget * 2**30:
+            return stage, offload
+    return None
+
+
 @case("pick_zero", points=2)
-def other_budgets_and_precisions(pick_zero):
-    scenarios = {(24, "llama2-7b", 8, "mixed-bf16"): (2, "none"),      # 23.5 GiB: fits 24 GiB, not 24 GB
-                 (16, "tinyllama-1.1b", 2, "mixed-bf16"): (1, "none"),
-                 (8, "tinyllama-1.1b", 1, "mixed-bf16"): (2, "optimizer"),
-                 (60, "llama2-7b", 4, "fp32"): (2, "none"),            # fp32 ZeRO-1: 4 + 4 + 8/4 B/param
-                 (60, "llama2-7b", 4, "mixed-bf16"): (1, "none")}
-    for (budget, model, dp, precision), want in scenarios.items():
-        got = pick_zero(budget, model, dp, precision)
-        assert got is not None and tuple(got) == want, f"pick_zero({budget}, {model}, {dp}, {precision}) = {got}"
+def other_models_budgets_and_precisions(student):
+    for args in ((16, "tinyllama-1.1b", 2, "mixed-bf16"), (8, "tinyllama-1.1b", 1, "mixed-bf16"),
+                 (30, "llama2-7b", 3, "fp32"), (20, "llama2-7b", 5, "bf16"), (2, "llama2-7b", 7, "mixed-bf16"),
+                 (200, "llama3-8b", 1, "mixed-bf16")):
+        got, want = visible._rung(student, *args), reference(_pick, *args)
+        assert got == want, f"pick_zero{args} = {got}, expected {want}"
+    exact = reference(visible._model_states_gib, "llama2-7b", 4, "mixed-bf16", (1, "none"))  # fits exactly
+    assert visible._rung(student, exact, "llama2-7b", 4, "mixed-bf16") == (1, "none")
 
 
 @case("make_ds_config", points=2)
-def stage3_offload_both_and_bf16(make_ds_config):
-    import os
-
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from deepspeed.runtime.config import DeepSpeedConfig
-
-    parsed = DeepSpeedConfig(make_ds_config(3, "optimizer+params", dp=1, micro_batch=2, bf16=True))
-    assert parsed.zero_optimization_stage == 3
-    for name in ("offload_optimizer", "offload_param"):
-        off = getattr(parsed.zero_config, name)
-        assert off is not None and str(off.device).endswith("cpu") and not off.pin_memory, f"{name}: {off!r}"
-    assert parsed.bfloat16_config.enabled, "bf16=True must enable bf16"
-    plain = DeepSpeedConfig(make_ds_config(1, "none", dp=1, micro_batch=2))
-    assert plain.zero_optimization_stage == 1
-    assert plain.zero_config.offload_optimizer is None and plain.zero_config.offload_param is None
-    big = make_ds_config(2, "optimizer", dp=8, micro_batch=1, accum=4)
-    assert (big["train_batch_size"], big["train_micro_batch_size_per_gpu"], big["gradient_accumulation_steps"]) \
-        == (32, 1, 4), big
+def other_stages_dp_and_bf16_offload(student):
+    for stage, offload, kw in ((3, "optimizer", dict(dp=1, micro_batch=3, accum=4, bf16=True)),
+                               (0, "none", dict(dp=1, micro_batch=1, lr=0.5)),
+                               (2, "optimizer", dict(dp=8, micro_batch=1, accum=4, bf16=True)),
+                               (3, "optimizer+params", dict(dp=5, micro_batch=7, accum=3))):
+        visible._check_config(visible._config(student, stage, offload, **kw), stage, offload, **kw)

@@ -20,8 +20,11 @@ DEMO = "90_grading_demo"
 TOTAL_POINTS = 11.0
 SECRET = 0.4242  # expected value of the hidden check: must never appear in feedback
 
-_RUN = ('ddp = RunRecord(strategy="ddp", model="tiny-llama", profile=PROFILE, world_size=2, steps=3,\n'
-        '                losses=[3.0, 2.5, 2.0], step_time_s=0.1, samples_per_s=80.0, peak_bytes=[4_000_000] * 2,\n'
+# step_time_s is measured, as every real run's is: two runs never share it (copy detection compares it).
+_RUN = ('import time\n'
+        'ddp = RunRecord(strategy="ddp", model="tiny-llama", profile=PROFILE, world_size=2, steps=3,\n'
+        '                losses=[3.0, 2.5, 2.0], step_time_s=0.1 + time.perf_counter() % 1e-3, samples_per_s=80.0,\n'
+        '                peak_bytes=[4_000_000] * 2,\n'
         '                param_bytes=[1_000_000] * 2, grad_bytes=[1_000_000] * 2, optimizer_bytes=[2_000_000] * 2,\n'
         '                trainable_params=250_000, device="cpu", dtype="float32", tokens_per_s=2560.0)\n'
         'R.show(ddp)')
@@ -122,6 +125,26 @@ def impossible(executed):
     payload["record"] = {**payload["record"], "samples_per_s": 1e12, "tokens_per_s": 3.2e13}
     out["data"]["application/vnd.labkit+json"] = seal(payload, out["data"]["text/plain"],
                                                       cell=(cell.source, cell.execution_count))
+    return nb
+
+
+def resealed(executed, step_time_s: float | None = None):
+    """Someone's executed notebook with every result sealed again (a fresh nonce and time), as a student who
+    reads labkit's source can: no seal in common with the original, every value identical. With
+    `step_time_s` the DDP run's timing changes first: an independent honest run of the same notebook."""
+    from labkit.course.grading.fingerprint import seal
+    from labkit.results import MIME
+
+    nb = copy.deepcopy(executed)
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if MIME not in data:
+                continue
+            payload = dict(data[MIME])
+            if step_time_s is not None and payload.get("kind") == "run":
+                payload["record"] = {**payload["record"], "step_time_s": step_time_s}
+            data[MIME] = seal(payload, data.get("text/plain"), cell=(cell.source, cell.execution_count))
     return nb
 
 

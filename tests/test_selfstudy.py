@@ -1,0 +1,99 @@
+"""A learner's own release (`make student`, `labkit assign --self-study`): written without solutions, never
+over the learner's work, checked by `labkit check` in place; `labkit solution` shows the answer key on request."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit.cli import main
+from labkit.course.exercises.source import exercise_cells, solution_lines
+from labkit.course.selfstudy import make_self_study
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT / "notebooks"
+
+
+def _run(capsys, *argv):
+    with pytest.raises(SystemExit) as exit_:
+        main(list(argv))
+    out = capsys.readouterr()
+    return exit_.value.code, out.out, out.err
+
+
+def test_self_study_release_has_labs_and_visible_tests_only(tmp_path, capsys):
+    code, out, _ = _run(capsys, "assign", "--self-study", "--out", str(tmp_path / "my-labs"))
+    labs = tmp_path / "my-labs"
+    assert code == 0 and "file(s) written, 0 already up to date, 0 of yours kept" in out
+    assert {p.name for p in labs.glob("*.ipynb")} == {p.name for p in SOURCE.glob("*.ipynb")}
+    assert {p.name for p in (labs / "tests").glob("*.py")} == {p.name for p in (SOURCE / "tests").glob("*.py")}
+    assert not list(labs.rglob("*hidden*")) and not (labs / "autograder").exists()  # nor what hidden tests vary
+    src = nbformat.read(SOURCE / "03_ddp.ipynb", 4)
+    mine = (labs / "03_ddp.ipynb").read_text()
+    assert "BEGIN SOLUTION" not in mine and 'raise NotImplementedError(\\"exercise ring_allreduce' in mine
+    secret = [line for line in solution_lines(exercise_cells(src)["ring_allreduce"]) if len(line.strip()) > 30]
+    code = "\n".join(c.source for c in nbformat.read(labs / "03_ddp.ipynb", 4).cells if c.cell_type == "code")
+    assert secret and not any(line.strip() in code for line in secret)  # (a markdown hint may quote one line)
+
+
+def test_a_rerun_keeps_the_learners_work_and_restores_what_is_missing(tmp_path):
+    labs = tmp_path / "my-labs"
+    make_self_study(labs, SOURCE)
+    nb = nbformat.read(labs / "03_ddp.ipynb", 4)
+    nb.cells[0].source += "\nmy notes"
+    nbformat.write(nb, labs / "03_ddp.ipynb")
+    mine = (labs / "03_ddp.ipynb").read_bytes()
+    (labs / "04_fsdp.ipynb").unlink()
+    (labs / "notes.txt").write_text("mine")
+    again = make_self_study(labs, SOURCE)
+    assert again.kept == ("03_ddp.ipynb",) and again.written == ("04_fsdp.ipynb",)
+    assert (labs / "03_ddp.ipynb").read_bytes() == mine and (labs / "notes.txt").read_text() == "mine"
+    assert "04_fsdp.ipynb" in {p.name for p in labs.glob("*.ipynb")}
+
+
+@pytest.mark.parametrize("where", ["notebooks", "notebooks/mine", "."])
+def test_self_study_refuses_to_write_into_or_around_the_sources(tmp_path, capsys, where):
+    (tmp_path / "notebooks" / "tests").mkdir(parents=True)
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# x")]),
+                   str(tmp_path / "notebooks" / "01_x.ipynb"))
+    code, _, err = _run(capsys, "assign", "--self-study", "--out", str(tmp_path / where),
+                        "--source", str(tmp_path / "notebooks"))
+    assert code == 2 and "would mix your labs with the course's source notebooks" in err
+
+
+def test_solution_prints_the_reference_only_when_asked(capsys):
+    code, out, _ = _run(capsys, "solution", "03_ddp", "ring_allreduce")
+    src = exercise_cells(nbformat.read(SOURCE / "03_ddp.ipynb", 4))["ring_allreduce"]
+    assert code == 0 and out.startswith("03_ddp / ring_allreduce: the reference solution")
+    assert all(line in out for line in solution_lines(src))
+    code, out, _ = _run(capsys, "solution", "03", "per_gpu")
+    assert code == 0 and "per_gpu = 16 // 4  # SOLUTION" in out
+    code, out, _ = _run(capsys, "solution", "03_ddp")
+    assert code == 0 and "exercises: average_gradients, overlap_gradient_averaging, ring_allreduce" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("99_nope", "x"), "unknown lab '99_nope'; valid labs are: 00_setup, 01_memory, 02_single_gpu"),
+    (("03_ddp", "nope"), "03_ddp has no exercise or answer 'nope'; its exercises are: average_gradients, "
+                         "overlap_gradient_averaging, ring_allreduce; its answers: per_gpu"),
+])
+def test_solution_names_the_valid_labs_and_exercises(capsys, argv, message):
+    code, out, err = _run(capsys, "solution", *argv)
+    assert code == 2 and not out and message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_labkit_check_works_in_my_labs(tmp_path, capsys):
+    labs = tmp_path / "my-labs"
+    make_self_study(labs, SOURCE)
+    nb = nbformat.read(labs / "01_memory.ipynb", 4)
+    answer = exercise_cells(nbformat.read(SOURCE / "01_memory.ipynb", 4))["model_state_bytes"]
+    cell = next(c for c in nb.cells if c.cell_type == "code" and "def model_state_bytes" in c.source)
+    cell.source = answer  # the learner's solution (here: the reference one)
+    nbformat.write(nb, labs / "01_memory.ipynb")
+    code, out, _ = _run(capsys, "check", str(labs / "01_memory.ipynb"))
+    assert code == 1  # not executed, one exercise left
+    assert "PASS  model_state_bytes" in out and "TODO  measure_state_bytes: not attempted" in out
+    assert "hidden check(s) are not run here" in out and "`labkit solution 01_memory NAME`" in out
+    assert "when your instructor grades" not in out  # no one grades a self-study learner
