@@ -88,7 +88,7 @@ def flag(rows, pairs: list[Pair]):
 
 def write_review(pairs: list[Pair], path: Path) -> Path:
     """review.csv: one line per pair of submissions to look at (empty but for its header when none)."""
-    from labkit.course.grading.gradebook import _text
+    from labkit.course.grading.text import csv_field as _text
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="", encoding="utf-8") as fh:

@@ -2,7 +2,7 @@
 
 Each check is named with its points and pass/fail; a visible check also shows its message (what to fix).
 A hidden check shows only its name and pass/fail: never its message, code or expected values. Every
-string from a submission is cleaned (printable UTF-8, bounded: labkit.course.grading.gradebook.clean) and
+string from a submission is cleaned (printable UTF-8, bounded: labkit.course.grading.text.clean) and
 HTML-escaped, and every page is written on its own: one that cannot be rendered gets a short page saying so,
 the others are untouched. The instructor's review notes (Grade.review) never appear here.
 """
@@ -14,7 +14,7 @@ from typing import Sequence
 
 from labkit.course.grading.checks import CheckResult
 from labkit.course.grading.evaluate import GRADED, Grade
-from labkit.course.grading.gradebook import clean
+from labkit.course.grading.text import clean
 
 
 def _esc(value, limit: int = 2000) -> str:

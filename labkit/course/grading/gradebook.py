@@ -23,24 +23,11 @@ from dataclasses import replace
 from typing import Any, Iterable, Sequence
 
 from labkit.course.grading.evaluate import STATUSES, Grade
+from labkit.course.grading.text import FIELD_CHARS, clean  # noqa: F401 - FIELD_CHARS: the limit clean applies
+from labkit.course.grading.text import csv_field as _text
 
 GRADES_COLUMNS = ("student", "notebook", "score", "max_score", "status", "detail")
 CANVAS_ID_COLUMNS = ("Student", "ID", "SIS User ID", "SIS Login ID", "Section")
-#: Characters any one text field keeps (a reason, a message): a row stays a row, a page a page.
-FIELD_CHARS = 2000
-
-
-def clean(value: Any, limit: int = FIELD_CHARS) -> str:
-    """`value` as printable UTF-8 text of at most `limit` characters: str() of anything (a list, bytes, an
-    object whose __str__ raises), lone surrogates and NUL replaced."""
-    try:
-        text = value if type(value) is str else str(value)
-    except Exception:  # noqa: BLE001 - an object whose __str__ raises
-        text = f"<unprintable {type(value).__name__}>"
-    text = text[:limit + 1].encode("utf-8", "replace").decode("utf-8").replace("\x00", "\ufffd")
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
 def normalize(rows: Sequence[Grade], maxima: dict[str, float]) -> list[Grade]:
     """Every row out of the plan's maximum for its notebook (`maxima`), its score within [0, that maximum]:
     nothing a submission made of its row changes what is possible, for it or for anyone else."""
@@ -58,12 +45,6 @@ def safe_name(name: str) -> str:
     safe = re.sub(r"[^A-Za-z0-9._@-]", "_", name).lstrip(".") or "_"
     # surrogatepass: a directory name that is not UTF-8 (os.listdir's surrogateescape) still hashes
     return safe if safe == name else f"{safe}-{hashlib.sha1(name.encode('utf-8', 'surrogatepass')).hexdigest()[:6]}"
-
-
-def _text(value: Any) -> str:
-    """A CSV field a spreadsheet will not execute (student-controlled text may start with '=')."""
-    text = clean(value).replace("\r", " ").replace("\n", " ")
-    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t") else text
 
 
 def _num(value: float) -> str:

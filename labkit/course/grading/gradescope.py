@@ -253,7 +253,7 @@ def _pick(submission: Path, notebook: str) -> tuple[Path | None, str]:
 def results_json(row, settings: Settings, elapsed_s: float, extra: dict | None = None) -> dict:
     """Gradescope's results.json for one gradebook row (labkit.course.grading.evaluate.Grade)."""
     from labkit.course.grading.evaluate import GRADED
-    from labkit.course.grading.gradebook import clean
+    from labkit.course.grading.text import clean
 
     tests = []
     for r in row.results:

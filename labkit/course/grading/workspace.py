@@ -11,7 +11,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from labkit.course.grading.gradebook import _text
+from labkit.course.grading.text import csv_field as _text
 
 RECEIVED_COLUMNS = ("student", "notebook", "sha256", "bytes", "changed_during_batch")
 
