@@ -20,7 +20,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(BUILD)/torch_extensions
 export MPLBACKEND := Agg
 PYTEST_ARGS ?=
 
-.PHONY: lab test test-fast test-changed test-profile smoke rehearse venv lock kernel clean-notebooks clean bench slides chromium bubblewrap student site site-deps
+.PHONY: lab test ds-ops test-fast test-changed test-profile smoke rehearse venv lock kernel clean-notebooks clean bench slides chromium bubblewrap student site site-deps
 
 $(BIN)/.installed: pyproject.toml $(LOCK)
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 1; }
@@ -34,6 +34,17 @@ $(BIN)/.installed: pyproject.toml $(LOCK)
 	touch $@
 
 venv: $(BIN)/.installed
+
+# DeepSpeed's CPU ops (shm_comm, cpu_adam: minutes of C++ on 2 cores), built once into TORCH_EXTENSIONS_DIR
+# instead of by the first DeepSpeed run while the others wait on its lock (labkit/parallel/ds_ops.py). On a
+# GPU node it builds nothing: DeepSpeed builds its CUDA ops on first use.
+DS_OPS := $(BUILD)/torch_extensions/.labkit-ds-ops
+$(DS_OPS): $(BIN)/.installed
+	mkdir -p $(@D)
+	$(BIN)/python -m labkit.parallel.ds_ops
+	touch $@
+
+ds-ops: $(DS_OPS)
 
 # Rewrite the lock from the venv: after pyproject.toml gained a package (the venv installs it first),
 # or with UPGRADE=1 at the start of a semester (the newest releases pyproject.toml's bounds allow;
@@ -50,13 +61,13 @@ kernel: venv
 
 # LAB_ARGS passes options to JupyterLab, e.g. LAB_ARGS="--no-browser --port 8888" on a remote node.
 LAB_ARGS ?=
-lab: venv
+lab: venv ds-ops
 	$(BIN)/jupyter lab --notebook-dir=notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_ARGS)
 
 # The whole suite on 2 pytest-xdist workers; tests/_schedule.py groups each file (and files sharing a fixture)
 # and sends the heaviest first. PYTEST_ARGS="-n 0" runs it in one process. docs/DEVELOPING.md, "The suite".
 XDIST ?= -n 2 --dist loadgroup --no-loadscope-reorder
-test: venv chromium bubblewrap site-deps
+test: venv ds-ops chromium bubblewrap site-deps
 	mkdir -p $(BUILD)
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
@@ -70,7 +81,7 @@ test-changed: venv
 	$(BIN)/python tests/_changed.py --base $(BASE) -- $(XDIST) $(PYTEST_ARGS)
 
 # The whole suite with the time by kind (tests/_profile.py) printed at the end and kept in build/test-profile.jsonl.
-test-profile: venv chromium bubblewrap site-deps
+test-profile: venv ds-ops chromium bubblewrap site-deps
 	mkdir -p $(BUILD)
 	rm -f $(BUILD)/test-profile.jsonl
 	$(BIN)/python -m pytest $(XDIST) --kind-profile $(BUILD)/test-profile.jsonl $(PYTEST_ARGS)
@@ -80,7 +91,7 @@ smoke: venv
 
 # The week before class, on any machine: every notebook as PROFILE's node runs it, on CPU (docs/gpu-node.md).
 PROFILE ?= a100x4
-rehearse: venv
+rehearse: venv ds-ops
 	$(BIN)/labkit notebooks run --profile $(PROFILE) --rehearse --out $(BUILD)/rehearsed/$(PROFILE)
 
 bench: venv

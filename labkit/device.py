@@ -131,7 +131,9 @@ def resolve(device: torch.device | str) -> torch.device:
     if _STAND_IN is None:
         _STAND_IN = _StandIn(local_rank=device.index or 0)
         _guard_meshes()
-    record("set_device", device=str(device))
+    # 'cuda' with no index is the current device: cuda:<local rank> once for_rank made it current
+    index = device.index if device.index is not None else _STAND_IN.local_rank
+    record("set_device", device=f"cuda:{index}")
     return torch.device("cpu")
 
 

@@ -102,9 +102,13 @@ def find_lock() -> Path | None:
 
 
 def distributions() -> dict[str, metadata.Distribution]:
-    """{normalized name: distribution} of this environment (the first on sys.path wins, as for imports)."""
+    """{normalized name: distribution} of this environment (the first on sys.path wins, as for imports).
+
+    Only install locations count: a folder inside a package is its vendored copies (setuptools puts
+    setuptools/_vendor on sys.path once imported, with its own tomli, zipp...), which pip never installed."""
     out = {}
-    for dist in metadata.distributions():
+    places = [p for p in sys.path if not (Path(p or ".") / ".." / "__init__.py").is_file()]
+    for dist in metadata.distributions(path=places):
         name = dist.metadata["Name"]
         if name:
             out.setdefault(normalize(name), dist)

@@ -43,6 +43,8 @@ from typing import Any
 REHEARSE_ENV = "LABKIT_REHEARSE"
 #: JSON-lines file every rehearsing process appends its recorded calls to (the notebook runner reads it).
 LOG_ENV = "LABKIT_REHEARSE_LOG"
+#: The profile the rehearsed notebook was given (its PROFILE parameter), when a runner set it.
+PROFILE_ENV = "LABKIT_REHEARSE_PROFILE"
 
 #: Optimizer steps a stand-in run trains (a traced run: enough for its trace window).
 STEPS = 2
@@ -65,6 +67,11 @@ BANNER = ("REHEARSAL of profile {profile} on this machine's CPU: the node's code
 def active() -> bool:
     """True in a rehearsing process (LABKIT_REHEARSE=1). Cheap: no torch import."""
     return os.environ.get(REHEARSE_ENV) == "1"
+
+
+def notebook_profile() -> str | None:
+    """The rehearsed notebook's PROFILE (set by `labkit notebooks run --rehearse`), else None."""
+    return os.environ.get(PROFILE_ENV) or None
 
 
 def record(event: str, **detail: Any) -> None:
@@ -155,7 +162,14 @@ def exec_count() -> int | None:
     from IPython import get_ipython
 
     shell = get_ipython()
-    return getattr(shell, "execution_count", None) if shell is not None else None
+    if shell is None:
+        return None
+    # `In` holds every input so far, this cell's last: its index is the cell's In[N]. The shell's
+    # execution_count is not: this IPython has already counted the running cell (In[3] reads 4).
+    inputs = getattr(shell, "user_ns", {}).get("In")
+    if isinstance(inputs, list) and inputs:
+        return len(inputs) - 1
+    return getattr(shell, "execution_count", None)
 
 
 def note_key(run_id: str, key: str) -> None:

@@ -2,8 +2,9 @@
 
 MODE: ok (all-reduce, rank 0 prints the sum), raise (rank 1 raises while rank 0 waits in a barrier),
 raise_record (the same with the entry point decorated with torchelastic's @record), hang (rank 1
-ignores SIGTERM and sleeps forever while rank 0 waits in a barrier), noisy (imports peft, whose
-torchao import logs deprecations, then warns as labkit would). With LABKIT_TEST_PID_DIR set,
+ignores SIGTERM, says so by a file `hanging` in LABKIT_TEST_PID_DIR and sleeps forever while rank 0 waits
+in a barrier), noisy (imports torchao, which peft imports and whose import logs deprecations, then warns
+as labkit would). With LABKIT_TEST_PID_DIR set,
 each rank writes its pid there so a test can check that no rank outlives the launcher.
 """
 import os
@@ -20,7 +21,7 @@ def main(mode: str) -> None:
     if mode == "noisy":
         import warnings
 
-        import peft  # noqa: F401  (pulls in torchao)
+        import torchao  # noqa: F401  (what peft and transformers pull in; peft itself costs 5 s more per rank)
         warnings.warn("labkit: a warning of our own stays visible", UserWarning)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -35,9 +36,17 @@ def main(mode: str) -> None:
         raise ValueError("rank 1 exploded on purpose")
     if mode == "hang" and rank == 1:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL stops it: tests the escalation
+        hanging(pid_dir)
         time.sleep(3600)
     dist.barrier()  # rank 0 waits here for the peer that raised or hangs
     dist.destroy_process_group()
+
+
+def hanging(pid_dir: str | None) -> None:
+    """Rank 1 of `hang` ignores SIGTERM from now on: a timeout test starts its short clock here."""
+    if pid_dir:
+        with open(os.path.join(pid_dir, "hanging"), "w") as fh:
+            fh.write(str(os.getpid()))
 
 
 @record
@@ -71,6 +80,7 @@ def job(mode: str, tag: str, ctx) -> None:
         raise ValueError("rank 1 exploded on purpose")
     elif mode == "hang" and rank == 1:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        hanging(os.environ.get("LABKIT_TEST_PID_DIR"))
         time.sleep(3600)
     dist.barrier(group=group)
 

@@ -2,8 +2,7 @@
 
 Generic over notebooks/tests/hidden/*.py, so a lab's new exercises are covered without touching this file.
 A mutant marked visible (a 3-tuple in MUTANTS) must fail a VISIBLE test whose message names its fix:
-the classic mistakes are caught where the student sees them, hidden tests only add cases. Exercises a test
-file still lists in LEGACY (their lab is not ported to the judge yet) need no visible mutants and no VARIES.
+the classic mistakes are caught where the student sees them, hidden tests only add cases.
 The executed source notebooks' recorded checks are asserted in tests/test_notebooks.py, right after each run; the
 code tests of their exercise cells (the same source) are this file's solution runs.
 """
@@ -39,14 +38,8 @@ def _exercises() -> list[tuple[str, str]]:
 EXERCISES = _exercises()
 
 
-def _legacy(notebook: str, exercise: str) -> bool:
-    return any(c.legacy for p in (TESTS / f"{notebook}.py", TESTS / "hidden" / f"{notebook}.py") if p.is_file()
-               for c in load_cases(p) if c.exercise == exercise)
-
-
 def test_the_pilot_lab_has_code_exercises_on_the_judge():
     assert {"model_state_bytes", "measure_state_bytes"} <= {ex for nb, ex in EXERCISES if nb == "01_memory"}
-    assert not _legacy("01_memory", "model_state_bytes") and not _legacy("01_memory", "measure_state_bytes")
 
 
 @pytest.mark.parametrize("notebook, exercise", EXERCISES, ids=[f"{n}-{e}" for n, e in EXERCISES])
@@ -65,13 +58,12 @@ def test_every_exercise_has_a_cell_visible_and_hidden_tests_and_mutants(notebook
     for m in mutants:
         assert m.fragment in source and m.fragment != m.replacement, \
             f"{exercise}: mutant fragment {m.fragment!r} not in its cell"
-    if not _legacy(notebook, exercise):
-        visible = [m for m in mutants if m.visible]
-        assert len(visible) >= MIN_VISIBLE_MUTANTS, (
-            f"{exercise}: {len(visible)} visible mutants in MUTANTS of {hidden.relative_to(ROOT)}; write at least "
-            f"{MIN_VISIBLE_MUTANTS} classic mistakes as (fragment, replacement, 'fix words') that a visible test names")
-        assert load_varies(hidden).get(exercise), (
-            f"{exercise}: no VARIES entry in {hidden.relative_to(ROOT)} (one line: what its hidden tests vary)")
+    visible = [m for m in mutants if m.visible]
+    assert len(visible) >= MIN_VISIBLE_MUTANTS, (
+        f"{exercise}: {len(visible)} visible mutants in MUTANTS of {hidden.relative_to(ROOT)}; write at least "
+        f"{MIN_VISIBLE_MUTANTS} classic mistakes as (fragment, replacement, 'fix words') that a visible test names")
+    assert load_varies(hidden).get(exercise), (
+        f"{exercise}: no VARIES entry in {hidden.relative_to(ROOT)} (one line: what its hidden tests vary)")
 
 
 @pytest.mark.slow
@@ -84,7 +76,7 @@ def test_the_solution_passes_and_every_mutant_fails_a_test(notebook, exercise):
     variants = [source] + [source.replace(m.fragment, m.replacement) for m in mutants]
     plan = plan_for(notebook, TESTS, TESTS / "hidden")
     solution, *mutated = run_variants(exercise, variants, plan, timeout_s=900, memory_bytes=16 * 2**30,
-                                      output_bytes=2**24, reveal_hidden=True)
+                                      output_bytes=2**24)
     assert not solution.error and all(r.status == "pass" for r in solution.results), solution
     for m, result in zip(mutants, mutated):
         failed = [r for r in result.results if r.status != "pass"]

@@ -3,8 +3,6 @@
 One batch grades five students' cells of two exercises in the sandbox, one process per exercise: a right
 answer, a partly wrong one, a hang, a crash and a 100 MB print. Each bad exercise gets 0 and a reason; the
 other exercise of the same student is still graded; feedback never shows a hidden test's message or inputs.
-`triple`'s tests are LEGACY (they run in the student's process) until the last lab is ported: that path
-stays graded too, with names and points from the grader's plan.
 """
 from __future__ import annotations
 
@@ -25,21 +23,18 @@ NB = "99_exercises"
 VISIBLE = '''
 from labkit.course.exercises import case
 
-LEGACY = {"triple"}
-
 @case("double", points=2)
 def small(student):
     got = student.call(3, returns=int)
     assert got == 6, f"double(3) = {got}, expected 6"
 
 @case("triple")
-def one(triple):
-    assert triple(1) == 3, f"triple(1) = {triple(1)}"
+def one(student):
+    got = student.call(1, returns=int)
+    assert got == 3, f"triple(1) = {got}"
 '''
 HIDDEN = '''
 from labkit.course.exercises import case
-
-LEGACY = {"triple"}
 
 @case("double", points=3)
 def large(student):
@@ -47,8 +42,8 @@ def large(student):
     assert got == 1975308, f"SECRET double(987654) = {got}"
 
 @case("triple")
-def negative(triple):
-    assert triple(-5) == -15, f"SECRET triple(-5)"
+def negative(student):
+    assert student.call(-5, returns=int) == -15, "SECRET triple(-5)"
 '''
 RIGHT_TRIPLE = "def triple(x):\n    return 3 * x\n"
 

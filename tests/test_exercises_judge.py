@@ -145,6 +145,38 @@ def test_tests_of_two_submissions_interleave_only_while_waiting_and_keep_their_o
     assert draws["first"] == (random.random(), random.random()) and "second" in draws
 
 
+
+def _two(rank, world, fn):
+    return rank
+
+
+def test_tests_that_share_a_spawn_read_one_run_and_one_failure():
+    """`student.spawn(..., share=True)`: one run per (harness, world, args) of one student; a copy to each test;
+    what the student's code raised reaches every test that shares the run; other arguments spawn again."""
+    from labkit.course.exercises.student import Student, StudentError
+
+    class Counting(Student):
+        asked: list = []
+
+        def _exchange(self, request):
+            self.asked.append(request["args"])
+            if request["args"] == ("bad",):
+                return {"kind": "error", "type": "ValueError", "message": "no"}
+            return {"kind": "value", "value": [[1.0], [2.0]]}
+
+    student = Counting("f")
+    first = student.spawn(_two, world=2, args=(1,), returns=[float], share=True)
+    first[0].append(9.0)  # a test changing its copy changes no other test's
+    assert student.spawn(_two, world=2, args=(1,), returns=[float], share=True) == [[1.0], [2.0]]
+    for _ in range(2):
+        with pytest.raises(StudentError, match="no"):
+            student.spawn(_two, world=2, args=("bad",), returns=[float], share=True)
+    student.spawn(_two, world=2, args=(2,), returns=[float], share=True)
+    student.spawn(_two, world=2, args=(1,), returns=[float])  # not shared: its own run
+    assert student.asked == [(1,), ("bad",), (2,), (1,)]
+    assert Counting("f").spawn(_two, world=2, args=(1,), returns=[float], share=True) and len(student.asked) == 5
+
+
 # ---------------------------------------------------------------- one student process, hostile variants
 TESTS = textwrap.dedent('''
     from labkit.course.exercises import case

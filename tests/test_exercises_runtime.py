@@ -141,6 +141,12 @@ def _rank_fails(rank, world):
     dist.barrier()  # rank 0 would wait here forever: spawn must kill it
 
 
+def _already_imported(rank, world, name):
+    import sys
+
+    return name in sys.modules
+
+
 def _rank_count(rank, world):
     import torch
     import torch.distributed as dist
@@ -190,8 +196,13 @@ def test_spawn_kills_a_hung_run_at_the_timeout():
 
 @pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 def test_spawn_starts_again_on_a_new_port_when_its_port_was_taken(monkeypatch):
-    """free_port() can lose its port to another job before rank 0 binds it: spawn tries a new one."""
+    """free_port() can lose its port to another job before rank 0 binds it: spawn tries a new one. Ranks
+    forked from warm_ranks()' forkserver (4 fresh interpreters importing torch cost twice as much); the
+    retry is `spawn`'s own, the same for fresh ranks (their start is tested above)."""
     import socket
+    import sys
+
+    warm_ranks = sys.modules["labkit.course.exercises.spawn"].warm_ranks
 
     from labkit import launch
 
@@ -202,7 +213,8 @@ def test_spawn_starts_again_on_a_new_port_when_its_port_was_taken(monkeypatch):
     real = launch.free_port
     monkeypatch.setattr(launch, "free_port", lambda *a: ports.pop(0) if ports else real(*a))
     try:
-        assert ex.spawn(_rank_count, world=2) == [2, 2]
+        with warm_ranks():
+            assert ex.spawn(_rank_count, world=2) == [2, 2]
     finally:
         taken.close()
     assert ports == [] and live_children() == []
@@ -227,6 +239,14 @@ def test_warm_ranks_are_forks_of_one_process_and_behave_like_fresh_ones():
             ex.spawn(_rank_hangs, world=2, timeout=4)
         assert [p.pid for p in live_children()] == \
             [forkserver[0].pid]  # every rank is gone; only the forkserver waits for the next spawn
+        # A spawn that names heavy imports gets ranks forked from a forkserver that imported them (started
+        # anew: the old one had not); a module that does not import is skipped; later spawns keep them.
+        assert ex.spawn(_already_imported, world=2, args=("xml.dom.minidom",)) == [False, False]
+        assert ex.spawn(_already_imported, world=2, args=("xml.dom.minidom",),
+                        imports=("xml.dom.minidom", "no_such_module_for_labkit")) == [True, True]
+        assert ex.spawn(_already_imported, world=2, args=("xml.dom.minidom",)) == [True, True]
+        again = [p for p in live_children() if "forkserver" in " ".join(p.cmdline())]
+        assert len(again) == 1 and again[0].pid != forkserver[0].pid, live_children()
     assert spawn_module._WARM is None and live_children() == []
 
 

@@ -48,12 +48,11 @@ ZEROS = {"model_state_bytes": "0", "measure_state_bytes": '{"weights": 0, "grads
 HIDDEN_MARKERS = ("7500000000", "1234567", "6738415616", "3000001", "_frozen_mlp", "reference(_estimate")
 
 TRICKS = {
-    # the old runner ran the cases in this process: make every case pass, whichever module runs them
+    # tests once ran in the student's process: make every case pass, whichever module runs them
     "replace_runner": (textwrap.dedent('''
         import labkit.course.exercises.cases as _cases
-        import labkit.course.exercises.runner as _runner
         _all_pass = lambda fn, cases, **kw: [_cases.CaseResult(c, "pass") for c in cases]
-        _cases.run_cases = _runner.run_cases = _all_pass
+        _cases.run_cases = _all_pass
         _cases.run_case = lambda case, fn: _cases.CaseResult(case, "pass")
         try:
             import labkit.course.exercises.verdicts as _verdicts

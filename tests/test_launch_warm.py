@@ -17,7 +17,7 @@ import pytest
 from conftest import TESTS_DIR, live_children
 from labkit import rank_pool
 from labkit.errors import LaunchError
-from test_launch import GONE_S, SLOW_S, running, wait_for
+from test_launch import GONE_S, SLOW_S, clock_starts_when_hanging, running, wait_for
 
 TARGET = "_launch_targets"
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
@@ -44,7 +44,7 @@ def gone(pids) -> bool:
     return not [p for p in pids if running(p)]
 
 
-def test_runs_share_ranks_leave_nothing_behind_and_a_failure_starts_a_fresh_pool():
+def test_runs_share_ranks_a_failure_or_another_environment_starts_a_fresh_pool_a_timeout_kills_it(tmp_path, monkeypatch):
     # one pool for several checks (each pool costs three Python processes importing torch)
     first = job("ok", "first")
     pids = rank_pool.current_pids()
@@ -63,19 +63,21 @@ def test_runs_share_ranks_leave_nothing_behind_and_a_failure_starts_a_fresh_pool
     assert err.rank == 1 and "ValueError: rank 1 exploded on purpose" in err.traceback
     wait_for(lambda: gone(pids), GONE_S, "the failed pool's processes are still running")
     assert "sum=3" in job("ok").output
-    assert rank_pool.current_pids() and not set(rank_pool.current_pids()) & set(pids)
-
-
-def test_another_environment_gets_another_pool_and_a_timeout_kills_it():
-    job("ok")
-    old = rank_pool.current_pids()
-    job("ok", env={**ENV, "DS_ACCELERATOR": "cpu"})  # what a DeepSpeed run brings
-    wait_for(lambda: gone(old), GONE_S, "the previous pool was not stopped")
+    fresh = rank_pool.current_pids()
+    assert fresh and not set(fresh) & set(pids)
+    # Another environment gets another pool (the fresh one above serves as the old pool: one pool fewer);
+    # then a timeout kills it, its clock started once rank 1 of `hang` ignores SIGTERM.
+    hang_env = {**ENV, "DS_ACCELERATOR": "cpu", "LABKIT_TEST_PID_DIR": str(tmp_path)}  # what a DeepSpeed run brings
+    job("ok", env=hang_env)
+    wait_for(lambda: gone(fresh), GONE_S, "the previous pool was not stopped")
     pids = rank_pool.current_pids()
-    assert pids and not set(pids) & set(old)
-    with pytest.raises(LaunchError, match=r"timeout_s=30"):
-        job("hang", env={**ENV, "DS_ACCELERATOR": "cpu"}, timeout_s=30)
+    assert pids and not set(pids) & set(fresh)
+    monkeypatch.setattr(rank_pool._Pool, "wait", clock_starts_when_hanging(rank_pool._Pool.wait, tmp_path))
+    with pytest.raises(LaunchError, match=r"timeout_s=3 "):
+        job("hang", env=hang_env, timeout_s=3)
     wait_for(lambda: gone(pids), GONE_S, "ranks outlived the timeout")
+
+
 
 
 def start_kernel_like(code: str) -> subprocess.Popen:

@@ -83,6 +83,17 @@ def test_labkit_env_finds_this_checkouts_lock_and_it_matches():
         "the venv differs from the lock: `make venv` installs the lock; after a pyproject change, `make lock`"
 
 
+def test_a_vendored_folder_on_sys_path_is_not_an_installed_package():
+    """setuptools puts setuptools/_vendor on sys.path once imported (its own tomli, zipp, importlib-metadata):
+    seen in CI, a test that imported setuptools made every later lock check in that process fail."""
+    code = ("import sys, setuptools\n"
+            "from labkit import lockfile\n"
+            "assert any(p.endswith('_vendor') for p in sys.path), sys.path\n"
+            "print(sorted(set(lockfile.distributions()) & {'tomli', 'zipp', 'importlib-metadata'}))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stderr + run.stdout
+
+
 def test_labkit_env_reports_the_lock():
     base = {"torch": {"installed": False}, "host": {"cpu_cores": 2, "ram_gb": 24, "platform": "x"},
             "python": {"version": "3.11.7", "executable": "py"}, "packages": {}, "profiles": {}}

@@ -88,8 +88,9 @@ def test_failed_executed_copy_is_kept_with_the_traceback_in_place(runs):
 def test_format_runs_is_a_table_with_every_notebook(runs):
     text = nbk.format_runs(list(runs.values()))
     header, *rows = text.splitlines()
-    assert header.split() == ["notebook", "status", "seconds", "failure"]
+    assert header.split() == ["notebook", "status", "seconds", "cpu", "s", "failure"]
     assert [r.split()[:2] for r in rows] == [["20_fail", "failed"], ["10_pass", "ok"]]
+    assert all(r.cpu_seconds > 0 for r in runs.values())  # the kernel's own CPU time, reaped with it
     assert "cell 2: ZeroDivisionError" in rows[0]
 
 
@@ -105,6 +106,16 @@ def test_missing_kernel_fails_before_any_cell_and_keeps_the_copy(nbdir, tmp_path
     run = nbk.run_notebook(nbdir / "10_pass.ipynb", kernel="no-such-kernel", out_dir=tmp_path)
     assert run.status == "failed" and run.cell is None and run.ename == "NoSuchKernel"
     assert run.output.is_file() and "before any cell ran" in run.describe()
+
+
+def test_an_output_folder_that_is_the_notebooks_own_is_refused_and_the_notebook_kept(nbdir):
+    """The executed copy is written over `out_dir/<name>.ipynb` (an earlier copy is deleted first): with the
+    notebook's own folder that would be the student's notebook (seen: a test lost its notebook so)."""
+    path = nbdir / "10_pass.ipynb"
+    before = path.read_bytes()
+    with pytest.raises(ConfigError, match="choose another output folder"):
+        nbk.run_notebook(path, out_dir=nbdir)
+    assert path.read_bytes() == before
 
 
 def test_unknown_profile_or_contradicting_parameter_fails_before_running(nbdir, tmp_path):

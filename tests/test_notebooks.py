@@ -117,6 +117,9 @@ def check_timeline(steps, hours):
     assert steps[0].end_min == lp.LAUNCH_MIN  # the node's boot is on the lease clock
     copy = steps[-2]
     assert "rsync" in copy.what and "runs/" in copy.what
+    # The labs write to runs/ beside the notebook (the default results root; `make lab` opens notebooks/), so
+    # the copy takes notebooks/ -- the student's answers and their runs -- not a labkit/runs/ nobody writes.
+    assert "labkit/notebooks/" in copy.what and "labkit/runs/" not in copy.what
     assert copy.end_min <= end - 10  # results are off the node 10+ minutes before the lease ends
 
 

@@ -183,14 +183,15 @@ def _adapter_tensors(record):
 
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory):
-    """One LoRA run per way of running it, 4 steps each: in-process, DDP and FSDP2 over 2 gloo ranks."""
+    """One LoRA run per way of running it, 4 steps each: in-process, DDP and FSDP2 over 2 gloo ranks (both in
+    one torchrun job, `run_many`: its ranks import torch and peft once, not once per run)."""
     from labkit.train.api import run
+    from labkit.train.many import run_many
 
     out = str(tmp_path_factory.mktemp("lora"))
     common = dict(RUN, steps=4, out=out, eval_batches=1)
-    return {"single": run("lora", "tiny-llama", **common),
-            "ddp": run("lora", "tiny-llama", nproc=2, **common),
-            "fsdp": run("lora", "tiny-llama", nproc=2, lora_parallel="fsdp", **common)}
+    ddp, fsdp = run_many(["lora", ("lora", {"lora_parallel": "fsdp"})], "tiny-llama", nproc=2, stream=False, **common)
+    return {"single": run("lora", "tiny-llama", **common), "ddp": ddp, "fsdp": fsdp}
 
 
 @pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`

@@ -56,6 +56,15 @@ def test_rank_r_uses_cuda_r_and_a_rank_the_node_lacks_fails_as_on_the_node(rehea
     assert [json.loads(line)["event"] for line in rehearsing.read_text().splitlines()] == ["set_device"]
 
 
+def test_a_bare_cuda_device_is_the_current_one(rehearsing):
+    # torch.device("cuda") on a node is the current device (cuda:0 unless a rank set its own)
+    assert devices.resolve("cuda") == torch.device("cpu")
+    assert devices.calls("set_device")[-1]["device"] == "cuda:0"
+    devices.for_rank(get_profile("a100x4"), 2)
+    devices.resolve("cuda")
+    assert devices.calls("set_device")[-1]["device"] == "cuda:2"
+
+
 def test_outside_a_rehearsal_cpu_is_cpu():
     assert not devices.standing_in() and not devices.is_gpu("cpu") and devices.is_gpu("cuda:0")
     assert devices.for_rank(get_profile("smoke"), 1) == torch.device("cpu")
@@ -143,6 +152,19 @@ def test_a_run_asking_for_gpus_the_node_lacks_fails_in_one_line(rehearsing):  # 
         stand_in.check_launch(_cfg("pipeline-gpipe", "tinyllama-1.1b", "a100x1", nproc=2))
 
 
+def test_a_run_on_another_profile_than_the_notebooks_fails_the_rehearsal(rehearsing, monkeypatch):
+    # 08's run_many without profile=PROFILE trained the smoke profile on every GPU node (found by rehearsing)
+    monkeypatch.setenv(rehearsal.PROFILE_ENV, "a100x4")
+    with pytest.raises(RehearsalError, match="trains on profile 'smoke', not the notebook's 'a100x4'.*profile=PROFILE"):
+        stand_in.check_launch(_cfg("ddp", "tiny-llama", "smoke", nproc=2), profile_given=False)
+    stand_in.check_launch(_cfg("ddp", "tinyllama-1.1b", "a100x4", nproc=4))
+    stand_in.check_launch(_cfg("ddp", "tiny-llama", "smoke", nproc=2))  # asked for: 09's CPU ranks on one GPU
+    with pytest.raises(RehearsalError, match="trains on profile 'v100x4'"):
+        stand_in.check_launch(_cfg("ddp", "tinyllama-1.1b", "v100x4", nproc=4))
+    monkeypatch.setenv(rehearsal.PROFILE_ENV, "smoke")  # a CPU notebook may train what it likes
+    stand_in.check_launch(_cfg("ddp", "tiny-llama", "smoke-bf16", nproc=2))
+
+
 def test_a_run_that_does_not_fit_is_the_nodes_cuda_oom(rehearsing):
     from labkit.course.profile_check import single_levers
 
@@ -176,6 +198,48 @@ def test_a_stand_in_keeps_strategy_ranks_and_precision_and_shrinks_the_rest(rehe
     resnet = build_model("resnet50")
     assert [len(layer) for layer in (resnet.layer1, resnet.layer2, resnet.layer3, resnet.layer4)] == [3, 4, 6, 3]
     assert sum(p.numel() for p in resnet.parameters()) < 5_000_000
+
+
+def test_deepspeed_fp16_runs_bf16_on_the_stand_in_and_the_record_says_so(rehearsing, monkeypatch):
+    from deepspeed.accelerator import get_accelerator
+
+    from labkit.parallel.zero import ds_config, stand_in_precision
+
+    cfg = _cfg("zero2", "tinyllama-1.1b", "v100x4")
+    assert cfg.precision.amp == "fp16"
+    config = ds_config(cfg, 2, False, dp=4, hidden=2048, numel=10**9)
+    assert stand_in_precision(config, "zero2") == (config, "")  # not standing in: the node's config as it is
+    devices.for_rank(get_profile("v100x4"), 0)
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: False)  # this CPU: no oneDNN fp16
+    runs, note = stand_in_precision(config, "zero2")
+    assert (runs["fp16"]["enabled"], runs["bf16"]["enabled"], config["fp16"]["enabled"]) == (False, True, True)
+    assert "zero2 ran bf16 in place of the node's fp16" in note
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)
+    assert stand_in_precision(config, "zero2") == (config, "")  # fp16 where the CPU has it
+
+
+@pytest.mark.parametrize("profile", REHEARSED + ("a100x1",))
+def test_every_lab_run_of_the_manifest_fits_its_node_by_the_estimator(profile):
+    """The runs the notebooks make on `profile` (observed by rehearsing them) at their real size: each fits
+    the profile's headroom and GPU count, except a lesson's deliberate out-of-memory run (04's DDP)."""
+    from labkit.train.config import from_dict
+
+    checked = 0
+    for row in rehearse.manifest_rows(profile):  # a run a lesson puts on smoke's CPU ranks names its profile
+        prof = get_profile(row.get("profile", profile))
+        cfg = from_dict({"strategy": row["strategy"], "model": row["model"], "profile": prof.name,
+                         **row["options"]}).resolve()
+        verdict = stand_in.size(cfg, prof)
+        assert verdict["gpus_ok"], (row["lab"], row["label"], stand_in.describe(cfg))
+        if not row.get("may_oom"):
+            assert verdict["fits"], (row["lab"], row["label"], stand_in.describe(cfg), verdict)
+            checked += verdict["bytes"] is not None
+    assert checked >= 10
+    if profile == "v100x4":  # 7B under FSDP: its sharded fp32 state alone is over a 32 GB V100's headroom
+        labels = {(r["lab"], r["strategy"], r["model"]) for r in rehearse.manifest_rows(profile)}
+        assert ("04_fsdp", "fsdp-offload", "llama2-7b") in labels and ("04_fsdp", "fsdp", "llama2-7b") not in labels
+        seven_b = _cfg("fsdp", "llama2-7b", "v100x4", nproc=4, batch=4, seq_len=512, checkpointing=True)
+        assert not stand_in.size(seven_b, get_profile("v100x4"))["fits"]
 
 
 def test_spawn_on_a_gpu_profile_refuses_more_ranks_than_the_node_has_gpus():
@@ -219,7 +283,7 @@ def test_a_gpu_only_cell_that_raises_fails_the_rehearsal_in_one_line(tmp_path):
         "rec = run('ddp', profile.llm_model, profile=PROFILE, nproc=profile.nproc, steps=3, out='runs', stream=False)\n"
         "R.show(rec, key='ddp')\nR.answer('x', 1)",
         "if GPU:\n    raise RuntimeError('a line only the node runs')",
-    ])
+    ], metadata={"labkit": {"notebook": "gpu_bug"}})  # a course notebook, so grading gets past its identity
     path = tmp_path / "gpu_bug.ipynb"
     nbformat.write(nb, path)
     smoke = nbk.run_notebook(path, profile="smoke", out_dir=tmp_path / "smoke", rehearse=True)
@@ -232,7 +296,9 @@ def test_a_gpu_only_cell_that_raises_fails_the_rehearsal_in_one_line(tmp_path):
     assert tamper.rehearsed(executed) == "cell 4: run 'ddp'"  # grading refuses a rehearsal's results
     grade = evaluate.grade_notebook(executed, "gpu_bug", [])
     assert grade.status == evaluate.REHEARSAL and grade.score == 0
-    record = [o for o in executed.cells[3].outputs if "application/vnd.labkit+json" in o.get("data", {})][0]
+    shown = [o for c in executed.cells if c.cell_type == "code" for o in c.outputs
+             if "application/vnd.labkit+json" in o.get("data", {})]
+    record = next(o for o in shown if "record" in o["data"]["application/vnd.labkit+json"])
     assert record["data"]["application/vnd.labkit+json"]["record"]["rehearsal"] is True
     assert "[rehearsal, not a measurement]" in record["data"]["text/plain"]
 
@@ -249,7 +315,7 @@ def test_a_run_that_must_fit_fails_the_rehearsal_even_when_the_notebook_catches_
     ])
     path = tmp_path / "oom.ipynb"
     nbformat.write(nb, path)
-    run = nbk.run_notebook(path, profile="a100x4", out_dir=tmp_path, rehearse=True)
+    run = nbk.run_notebook(path, profile="a100x4", out_dir=tmp_path / "a100x4", rehearse=True)
     line = run.describe()
     assert not run.ok and run.cell == 3 and "\n" not in line
     assert "run lora llama2-7b x1" in line and "out of memory on the node" in line and "fix:" in line
@@ -325,6 +391,10 @@ def test_the_manifest_holds_every_rehearsed_profile_and_lab_runs_reads_it():
         assert runs and all(len(r) == 5 and r[4]["nproc"] >= 1 for r in runs)
     v100 = {(lab, label) for lab, label, *_ in pc.lab_runs(get_profile("v100x4"))}
     assert ("09_beyond_3d", "single") in v100  # lab 09's dense run, which the hand-kept list missed
+    for one_gpu in ("h100x1", "a100x1"):  # 09's multi-rank runs go to smoke's CPU ranks: not the GPU's runs
+        multi = [r for r in rehearse.manifest_rows(one_gpu) if r["options"]["nproc"] > 1]
+        assert multi and {(r["lab"], r.get("profile")) for r in multi} == {("09_beyond_3d", "smoke")}
+        assert all(r[4]["nproc"] == 1 for r in pc.lab_runs(get_profile(one_gpu)))
     with pytest.raises(Exception, match="rehearse its notebooks once"):
         rehearse.manifest_rows("t4x9")
 

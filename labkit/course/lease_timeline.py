@@ -137,7 +137,8 @@ def plan_lease(hours: float = 3.0, profile: str | Profile = "a100x4", *,
             "slack for a lab that overruns; it sits before saving so the save still happens")
     add(SAVE_MIN, "save: let running jobs checkpoint (`labkit train --deadline`), `labkit check`, "
         "commit answers", "a job still running at the end would lose its results")
-    add(COPY_MIN, "copy off: `rsync -av cc@NODE_IP:labkit/runs/ runs/` (+ build/executed/) from your laptop",
+    add(COPY_MIN, "copy off: `rsync -av cc@NODE_IP:labkit/notebooks/ labkit-notebooks/` from your laptop (your "
+        "notebooks and runs/ beside them; also $LABKIT_RUNS if you set one)",
         "everything on the node is deleted with the lease")
     add(MARGIN_MIN, "margin: nothing left on the node that you need",
         f"the copy is done {MARGIN_MIN}+ min before the end, in case the lease ends early")

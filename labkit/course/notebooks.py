@@ -57,6 +57,8 @@ class NotebookRun:
     rehearsal_log: Path | None = None
     """A rehearsal's log (`labkit.course.rehearse`): every run sized, every CUDA call recorded."""
     profile: str = ""
+    cpu_seconds: float | None = None
+    """CPU seconds of the kernel and every process it started (reaped children's user + system time)."""
 
     @property
     def ok(self) -> bool:
@@ -72,7 +74,8 @@ class NotebookRun:
         if self.status == "stopped":
             return f"{self.name}: {kind}stopped in {self.seconds:.1f} s: {self.evalue}"
         if self.ok:
-            return f"{self.name}: {kind}ok in {self.seconds:.1f} s"
+            cpu = f" ({self.cpu_seconds:.1f} CPU s)" if self.cpu_seconds is not None else ""
+            return f"{self.name}: {kind}ok in {self.seconds:.1f} s{cpu}"
         where = "before any cell ran" if self.cell is None else f"at cell {self.cell}" + (
             f" (In [{self.exec_count}])" if self.exec_count is not None else "")
         copy = f"executed copy with the traceback: {self.output}" if self.output.exists() else "no executed copy"
@@ -140,8 +143,9 @@ def find_notebooks(names: Sequence[str] | None = None, notebook_dir: str | os.Pa
 
 # ---------------------------------------------------------------- running
 @contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    """Set environment variables for the kernel papermill starts (it inherits ours), then restore."""
+def environ(**values: str) -> Iterator[None]:
+    """Set environment variables (for the kernel papermill starts: it inherits ours; for a rehearsal's
+    in-process rank), then restore them."""
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:
@@ -217,6 +221,9 @@ def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: st
         raise ConfigError(f"parameters PROFILE={params['PROFILE']!r} contradicts profile={profile!r}; "
                           "choose the profile with `profile` only")
     out = Path(out_dir).resolve() / src.name
+    if out == src:
+        raise ConfigError(f"the executed copy of {src.name} would replace the notebook itself in {src.parent}: "
+                          "choose another output folder (--out build/executed)")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)  # a copy left by an earlier run must not pass for this run's
     fail: dict[str, Any] = {}
@@ -225,10 +232,10 @@ def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: st
     if rehearse:
         from labkit.course import rehearse as rehearsal_log
         log = out.with_suffix(".rehearsal.jsonl")
-        env.update(rehearsal_log.environment(log))
-    start = time.perf_counter()
+        env.update(rehearsal_log.environment(log, profile))
+    start, cpu_start = time.perf_counter(), _children_cpu()
     try:
-        with _environ(**env):
+        with environ(**env):
             papermill.execute_notebook(str(src), str(out), parameters=params, kernel_name=kernel,
                                        cwd=str(src.parent), progress_bar=False,
                                        execution_timeout=timeout_s)
@@ -238,22 +245,30 @@ def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: st
         fail = dict(index=None, ename=type(exc).__name__, evalue=str(exc).strip().splitlines()[0] if str(exc) else "",
                     tb=str(exc))
     seconds = time.perf_counter() - start
+    common = dict(rehearsal_log=log, profile=profile, cpu_seconds=_children_cpu() - cpu_start)
     if not fail and log is not None:  # the notebook handled an OOM the node would hit on a run that must fit
         from labkit.course import rehearse as rehearsal_log
         cells = source_cells(out)
         found = rehearsal_log.problems(log, cells)
         if found:
             return NotebookRun(src.stem, "failed", seconds, out, cell=rehearsal_log.problem_cell(log, cells),
-                               ename="RehearsalError", evalue=found[0], rehearsal_log=log, profile=profile)
+                               ename="RehearsalError", evalue=found[0], **common)
     if not fail:
-        return NotebookRun(src.stem, "ok", seconds, out, rehearsal_log=log, profile=profile)
+        return NotebookRun(src.stem, "ok", seconds, out, **common)
     if fail["ename"] == "NeedsMoreGPUs":  # labkit.hosted.require_gpus: where to run the lab instead, not a failure
         return NotebookRun(src.stem, "stopped", seconds, out, ename=fail["ename"], evalue=_ANSI.sub("", fail["evalue"]),
-                           rehearsal_log=log, profile=profile)
+                           **common)
     cell, count = _failing_cell(out, fail["index"]) if out.exists() else (None, None)
     return NotebookRun(src.stem, "failed", seconds, out, cell=cell, exec_count=count, ename=fail["ename"],
-                       evalue=_ANSI.sub("", fail["evalue"]), traceback=_ANSI.sub("", fail["tb"]),
-                       rehearsal_log=log, profile=profile)
+                       evalue=_ANSI.sub("", fail["evalue"]), traceback=_ANSI.sub("", fail["tb"]), **common)
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's reaped children (a kernel, and what it reaped)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def run_notebooks(names: Sequence[str] | None = None, *, profile: str = "smoke",
@@ -276,14 +291,15 @@ def run_notebooks(names: Sequence[str] | None = None, *, profile: str = "smoke",
 
 
 def format_runs(runs: Sequence[NotebookRun]) -> str:
-    """Fixed-width table: notebook, status, seconds, failing cell and error."""
-    rows = [("notebook", "status", "seconds", "failure")]
+    """Fixed-width table: notebook, status, wall and CPU seconds, failing cell and error."""
+    rows = [("notebook", "status", "seconds", "cpu s", "failure")]
     for r in runs:
         failure = r.evalue[:100] if r.status == "stopped" else "" if r.ok else f"cell {r.cell}: {r.ename}: {r.evalue}"[:100]
-        rows.append((r.name, r.status, f"{r.seconds:.1f}", failure))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    return "\n".join(f"{a.ljust(widths[0])}  {b.ljust(widths[1])}  {c.rjust(widths[2])}  {d}".rstrip()
-                     for a, b, c, d in rows)
+        cpu = "" if r.cpu_seconds is None else f"{r.cpu_seconds:.1f}"
+        rows.append((r.name, r.status, f"{r.seconds:.1f}", cpu, failure))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join(f"{a.ljust(widths[0])}  {b.ljust(widths[1])}  {c.rjust(widths[2])}  {d.rjust(widths[3])}  {e}"
+                     .rstrip() for a, b, c, d, e in rows)
 
 
 # ---------------------------------------------------------------- hygiene

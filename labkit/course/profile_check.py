@@ -68,11 +68,12 @@ def lab_runs(profile: Profile) -> list[tuple[str, str, str, str, dict]]:
     """(lab, label, strategy, model, options) of every training run the lab notebooks make on `profile`,
     with the precision and ranks each run states: what a rehearsal of the notebooks observed
     (`labkit.course.rehearse.MANIFEST`, checked against a fresh rehearsal by tests/test_rehearsal.py),
-    not a hand-kept list. A lesson's deliberate out-of-memory runs (`may_oom`) are left out."""
+    not a hand-kept list. A lesson's deliberate out-of-memory runs (`may_oom`) and runs a lesson puts on a
+    CPU profile (09's multi-rank runs on a one-GPU node: the manifest names their `profile`) are left out."""
     from labkit.course import rehearse
 
     return [(r["lab"], r["label"], r["strategy"], r["model"], dict(r["options"]))
-            for r in rehearse.manifest_rows(profile.name) if not r.get("may_oom")]
+            for r in rehearse.manifest_rows(profile.name) if not r.get("may_oom") and "profile" not in r]
 
 
 def capacity(profile: Profile) -> float | None:

@@ -28,15 +28,17 @@ MANIFEST = Path(__file__).resolve().parents[1] / "data" / "lab_runs.json"
 RUN_SOURCES = ("run",)
 
 
-def environment(log: str | os.PathLike) -> dict[str, str]:
-    """The environment of a rehearsing kernel (and of every rank it starts) logging to `log` (emptied)."""
+def environment(log: str | os.PathLike, profile: str | None = None) -> dict[str, str]:
+    """The environment of a rehearsing kernel (and of every rank it starts) logging to `log` (emptied);
+    `profile`: the notebook's PROFILE, which every run it makes must train on."""
     from labkit import rehearsal
 
     log = Path(log)
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("", encoding="utf-8")
     # DeepSpeed picks its accelerator at import: the CPU's, as on a CPU profile.
-    return {rehearsal.REHEARSE_ENV: "1", rehearsal.LOG_ENV: str(log.resolve()), "DS_ACCELERATOR": "cpu"}
+    return {rehearsal.REHEARSE_ENV: "1", rehearsal.LOG_ENV: str(log.resolve()), "DS_ACCELERATOR": "cpu",
+            **({rehearsal.PROFILE_ENV: profile} if profile else {})}
 
 
 def read(log: str | os.PathLike) -> list[dict[str, Any]]:
@@ -67,12 +69,24 @@ class ObservedRun:
     """Inside `labkit.rehearsal.may_oom()`: a lesson's deliberate out-of-memory run."""
     describe: str = ""
     fix: str = ""
+    profile: str = ""
+    """The profile the run trained on: the notebook's, or a CPU profile a lesson names on purpose (09's
+    multi-rank runs on smoke's CPU ranks on a one-GPU node)."""
 
     def row(self) -> dict[str, Any]:
-        """What the manifest keeps: lab, label, strategy, model, options (and may_oom when set)."""
+        """What the manifest keeps: lab, label, strategy, model, options (and may_oom when set, the profile
+        when the run is on a CPU profile: not a run of the node's GPUs)."""
         row = {"lab": self.notebook, "label": self.label, "strategy": self.strategy, "model": self.model,
                "options": self.options}
-        return {**row, "may_oom": True} if self.may_oom else row
+        return {**row, **({"may_oom": True} if self.may_oom else {}),
+                **({"profile": self.profile} if on_cpu(self.profile) else {})}
+
+
+def on_cpu(profile: str) -> bool:
+    """True for a CPU profile's name ('' -- not recorded -- is not)."""
+    from labkit.profiles import get_profile
+
+    return bool(profile) and get_profile(profile).device != "cuda"
 
 
 def observed_runs(log: str | os.PathLike, cells: dict[int, int] | None = None, *,
@@ -90,7 +104,7 @@ def observed_runs(log: str | os.PathLike, cells: dict[int, int] | None = None, *
         runs.append(ObservedRun(notebook, cells.get(e.get("exec_count")), keys.get(e["run_id"], e["strategy"]),
                                 e["strategy"], e["model"], e["options"], e.get("bytes"), e.get("capacity"),
                                 e.get("fits", True), e.get("gpus_ok", True), e.get("may_oom", False),
-                                e.get("describe", ""), e.get("fix", "")))
+                                e.get("describe", ""), e.get("fix", ""), e.get("profile", "")))
     return runs
 
 

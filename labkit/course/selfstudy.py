@@ -26,9 +26,9 @@ DEFAULT_OUT = "my-labs"
 
 def course_notebooks() -> Path:
     """The source tree's notebooks/ (the answer key) beside the labkit package that is imported."""
-    import labkit
+    from labkit.course import source_tree
 
-    return Path(labkit.__file__).resolve().parents[1] / "notebooks"
+    return source_tree() / "notebooks"
 
 
 @dataclass(frozen=True)

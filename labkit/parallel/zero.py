@@ -120,6 +120,24 @@ def ds_config(cfg, stage: int, offload: bool, *, dp: int, hidden: int | None, nu
     }
 
 
+def stand_in_precision(config: dict, name: str) -> tuple[dict, str]:
+    """(the config DeepSpeed initialises with, a note for the record). A rehearsal's CPU stands in for the
+    GPU; DeepSpeed's CPU accelerator has fp16 only where oneDNN has fp16 kernels (not on this course's
+    CPUs: "Type fp16 is not supported on your device"), so a V100 profile's fp16 config runs there as
+    bf16 -- the same code paths but the loss scaler -- and the record says so. The node's config (the
+    written ds_config file, the record's dtype) stays fp16. Anywhere else: `config` unchanged, no note."""
+    if not (config["fp16"]["enabled"] and devices.standing_in()):
+        return config, ""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().is_fp16_supported():
+        return config, ""
+    note = (f"rehearsal: {name} ran bf16 in place of the node's fp16 (DeepSpeed's CPU accelerator has no fp16 "
+            "here); the loss scaler did not run")
+    return {**config, "fp16": {"enabled": False}, "bf16": {"enabled": True},
+            **({"data_types": {"buffer_dtype": "bf16"}} if "data_types" in config else {})}, note
+
+
 def write_config(config: dict, out: str | os.PathLike, strategy: str) -> Path:
     """Write `config` to OUT/ds_config_<strategy>.json (call on rank 0) and return the path."""
     path = Path(out) / f"ds_config_{strategy}.json"
@@ -160,6 +178,7 @@ class ZeroStrategy(Strategy):
         self.engine = None
         self.ds_optimizer = None
         self.config: dict = {}
+        self.stand_in_note = ""
         self.config_path: Path | None = None
         self._grad_peak = self._param_peak = (0, 0)  # (bytes on device, bytes elsewhere)
         self._hooks: list = []
@@ -193,7 +212,13 @@ class ZeroStrategy(Strategy):
                                 gpu=devices.is_gpu(self.ctx.device), cast_buffers=self.task.kind == "vision")
         if self.ctx.is_main:
             self.config_path = write_config(self.config, self.cfg.run.out, self.name)
-        self.engine, self.ds_optimizer = apply_zero(model, self.ctx.group, cfg=self.cfg, config=self.config)
+        runs, self.stand_in_note = stand_in_precision(self.config, self.name)
+        if self.stand_in_note:
+            from labkit.train import levers
+            self.precision = levers.Precision("bf16", self.ctx.device)  # evaluation's autocast matches the engine
+            if self.ctx.is_main:
+                print(self.stand_in_note)
+        self.engine, self.ds_optimizer = apply_zero(model, self.ctx.group, cfg=self.cfg, config=runs)
         # The loop sees the engine as the model and the torch optimizer DeepSpeed steps on the flat fp32
         # partitions as the optimizer (a real torch Optimizer, so memory tracking can follow it).
         self.model = self.engine
@@ -280,7 +305,8 @@ class ZeroStrategy(Strategy):
                         ds_optimizer=type(self.optimizer).__name__),
                     memory=MemoryFacts(offload=bool(self.offload), master_copy_bytes=sum(master),
                                        offload_physical=bool(self.offload) and devices.is_gpu(self.ctx.device)),
-                    comm=CommFacts.of(comm_bytes_per_step(self.stage, param_bytes, self.dp_size)))
+                    comm=CommFacts.of(comm_bytes_per_step(self.stage, param_bytes, self.dp_size)),
+                    **({"notes": {"stand_in_precision": self.stand_in_note}} if self.stand_in_note else {}))
 
     # ------------------------------------------------------------------ checkpoint / teardown
     def save_checkpoint(self, path: Path) -> None:

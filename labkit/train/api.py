@@ -45,7 +45,8 @@ def make_config(strategy: str, model: str, *, rehearse_as: str | None = "run", r
         profiling.check(cfg, get_profile(cfg.run.profile).device)
     if rehearse_as:
         cls = parallel.strategy_class(cfg.run.strategy)
-        stand_in.check_launch(cfg, via=rehearse_as, launched=cfg.world_size > 1 or cls.needs_process_group)
+        stand_in.check_launch(cfg, via=rehearse_as, launched=cfg.world_size > 1 or cls.needs_process_group,
+                              profile_given="profile" in options)
     return cfg if real else stand_in.stand_in(cfg)
 
 

@@ -11,7 +11,6 @@ the estimator. Outside a rehearsal every function here does nothing.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from typing import Any
 
@@ -58,7 +57,7 @@ def fix(cfg) -> str:
     return "lower the batch, add accum=2 (same global batch) or amp"
 
 
-def check_launch(cfg, *, via: str = "run", launched: bool = False) -> None:
+def check_launch(cfg, *, via: str = "run", launched: bool = False, profile_given: bool = True) -> None:
     """Rehearsal: size `cfg` (resolved, real size) on its profile, log it, and raise what the node would
     for a run it cannot hold: CUDA out of memory in this process, or for a `launched` run the launcher's
     LaunchError naming the rank that ran out of memory. Outside a rehearsal: nothing."""
@@ -76,6 +75,13 @@ def check_launch(cfg, *, via: str = "run", launched: bool = False) -> None:
                      fix=fix(cfg), note=verdict["note"])
     rehearsal.banner(profile)
     what = describe(cfg)
+    given = rehearsal.notebook_profile()
+    # A run left on the default profile in a GPU profile's notebook (08 once); one a notebook puts on smoke's
+    # CPU ranks on purpose (09's collectives on a one-GPU node) names its profile.
+    if given and given != profile.name and get_profile(given).device == "cuda" and (
+            not profile_given or profile.device == "cuda"):
+        raise RehearsalError(f"rehearsal {given}: run {what} trains on profile {profile.name!r}, not the notebook's "
+                             f"{given!r} (on the node it would not train what the lab says); fix: pass profile=PROFILE")
     if not verdict["gpus_ok"]:
         raise RehearsalError(f"rehearsal {profile.name}: run {what} asks for {cfg.world_size} GPUs, the node has "
                              f"{profile.nproc}; fix: use nproc=profile.nproc, or run this part on a profile with "
@@ -120,17 +126,24 @@ def options_of(cfg) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ the stand-in
+#: Steps a stand-in run traces at most (the node's run traces its `trace_steps`).
+TRACED_STEPS = 1
+
+
 def stand_in(cfg):
     """The config a rehearsal executes for `cfg`: same strategy, ranks, options and precision; STEPS steps
-    (more when a trace window needs them), short sequences, small images, one held-out batch and the
+    (more when a trace window needs them; TRACED_STEPS of them traced), short sequences, small images, one held-out batch and the
     smallest global batch that splits the same way (data-parallel ranks x accumulation x pipeline
     micro-batches). `cfg` itself outside a rehearsal."""
     if not rehearsal.active():
         return cfg
     from labkit.profiling.profiler import FIRST_TRACED
 
-    steps = max(rehearsal.STEPS, FIRST_TRACED + cfg.profiling.trace_steps if cfg.profiling.trace_steps else 0)
-    small = cfg.replace(steps=min(cfg.run.steps, steps) if cfg.run.steps else steps, workers=0,
+    # One traced step runs every line of a trace window (start, step marks, stop, export, summary): a second
+    # one only doubles the profiler's most expensive part on a CPU (08's traced runs were most of its rehearsal).
+    traced = min(cfg.profiling.trace_steps, TRACED_STEPS)
+    steps = max(rehearsal.STEPS, FIRST_TRACED + traced if traced else 0)
+    small = cfg.replace(steps=min(cfg.run.steps, steps) if cfg.run.steps else steps, workers=0, trace_steps=traced,
                         seq_len=min(cfg.run.seq_len or rehearsal.SEQ_LEN, rehearsal.SEQ_LEN),
                         image_size=min(cfg.run.image_size or rehearsal.IMAGE_SIZE, rehearsal.IMAGE_SIZE),
                         eval_batches=min(cfg.run.eval_batches, 1))
@@ -204,18 +217,11 @@ def _format(exc: BaseException) -> str:
 @contextlib.contextmanager
 def rank_environment(rank: int, world: int, env: dict):
     """What torchrun puts in a rank's environment (DeepSpeed reads it), restored afterwards."""
-    values = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "DS_ACCELERATOR": "cpu", **env}
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
+    from labkit.course.notebooks import environ
+
+    with environ(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", DS_ACCELERATOR="cpu", **env):
         yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
 
 
 def teardown() -> None:

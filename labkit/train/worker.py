@@ -15,6 +15,7 @@ import datetime as _dt
 import os
 import sys
 
+import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 

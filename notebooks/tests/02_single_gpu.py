@@ -1,116 +1,306 @@
-"""Visible tests of notebook 02_single_gpu's code exercises (`labkit check`, `ex.check` in the notebook)."""
-from labkit.course.exercises import case
+"""Visible tests of notebook 02_single_gpu's code exercises (`ex.check` in the notebook, `labkit check`, `labkit grade`).
 
-#: LEGACY: these exercises' tests still run in the student's process; port them to `student.call /
-#: run / spawn` (docs/grading.md, "Porting a legacy exercise") and remove their names here.
-LEGACY = {"amp_accum_step", "checkpointed_block"}
+A harness below runs your function in its own process and returns only what it produced (the loss, the
+gradients and weights after the step, the scaler's scale, what autograd saved); the expected values are
+computed here, in the grader's process, from one plain fp32 step on the whole batch. Gradients are checked
+after ONE SGD step, so a scale error shows. Every convention a test checks is in the exercise's docstring.
+"""
+from labkit.course.exercises import ANY, Tensor, case, reference
+from labkit.course.exercises.expect import conform
+from labkit.course.exercises.student import StudentError
+
+LR = 0.1
 
 
-def _mlp(seed=0):
+def _mlp():
     import torch
 
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
 
 
-def _data(n=16, seed=1):
+def _data(n=16):
     import torch
 
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(1)
     return torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
 
 
-def _reference(x, y, lr=0.1):
-    """The fp32 full-batch SGD step: (model after the step, loss)."""
+def _named(model, what):
+    return {name: (p.grad if what == "grads" else p).detach().clone() for name, p in model.named_parameters()
+            if what != "grads" or p.grad is not None}
+
+
+def _full_batch(lr, accum):
+    """REFERENCE (grader's process): one fp32 SGD step on the whole batch; the micro-batch losses too."""
     import torch
     import torch.nn.functional as F
 
     model = _mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    start = _named(model, "weights")
+    x, y = _data()
+    with torch.no_grad():
+        micro = [float(F.cross_entropy(model(xb), yb)) for xb, yb in zip(x.chunk(accum), y.chunk(accum))]
     loss = F.cross_entropy(model(x), y)
     loss.backward()
-    opt.step()
-    return model, float(loss)
+    grads = _named(model, "grads")
+    torch.optim.SGD(model.parameters(), lr=lr).step()
+    return {"loss": loss.item(), "micro": micro, "grads": grads, "weights": _named(model, "weights"), "start": start}
 
 
-def _step(amp_accum_step, x, y, accum, dtype, scaler=None, lr=0.1):
+def _step_harness(amp_accum_step, accum, dtype_name, init_scale, lr, stale, input_scale):
+    """HARNESS (the student's process): a fresh model, SGD and GradScaler; one call of your step; what it did."""
     import torch
 
     model = _mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    scaler = scaler or torch.amp.GradScaler("cpu", enabled=False)
-    loss = amp_accum_step(model, x, y, opt, scaler, accum, dtype)
-    return model, loss
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale or 1.0, enabled=init_scale is not None)
+    if stale is not None:
+        for p in model.parameters():
+            p.grad = torch.full_like(p, stale)  # left over from an earlier step
+    seen = []
+    model[0].register_forward_hook(lambda module, args, out: seen.append(str(out.dtype).removeprefix("torch.")))
+    x, y = _data()
+    loss = amp_accum_step(model, x * input_scale, y, optimizer, scaler, accum,
+                          getattr(torch, dtype_name) if dtype_name else None)
+    return {"loss": None if loss is None else float(loss.detach() if torch.is_tensor(loss) else loss), "grads": _named(model, "grads"),
+            "weights": _named(model, "weights"), "scale": float(scaler.get_scale()) if init_scale else 1.0,
+            "forward_dtypes": seen}
 
 
-def _max_param_diff(a, b):
-    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+STEP = {"loss": float | None, "grads": {str: Tensor()}, "weights": {str: Tensor("float32")}, "scale": float,
+        "forward_dtypes": [str]}
+
+#: torch's GradScaler refuses a step taken the wrong way; what each refusal means in this exercise.
+SCALER_REFUSALS = {
+    "_scale is None": "scaler.step found no scaled gradients: backward through scaler.scale(loss), not loss.backward()",
+    "No inf checks were recorded": "scaler.update() found no step to check: step with scaler.step(optimizer), "
+                                   "which unscales the gradients first and skips a step with inf, not optimizer.step()",
+}
+
+
+def _step(student, accum, dtype_name=None, init_scale=None, lr=LR, stale=None, input_scale=1.0):
+    try:
+        return student.run(_step_harness, accum, dtype_name, init_scale, lr, stale, input_scale, returns=STEP)
+    except StudentError as exc:
+        fix = next((fix for needle, fix in SCALER_REFUSALS.items() if needle in exc.message), None)
+        if fix is None:
+            raise
+        raise AssertionError(f"{exc.label} raised {exc.kind} ({exc.message[:120]}): {fix}") from None
+
+
+def _close(a, b, rtol, atol):
+    import torch
+
+    return a.shape == b.shape and bool(torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol))
+
+
+def _ratio(got: dict, want: dict) -> float:
+    import torch
+
+    return float(torch.cat([got[k].float().reshape(-1) for k in want]).norm() /
+                 torch.cat([w.reshape(-1) for w in want.values()]).norm())
+
+
+def _grad_problem(got: dict, want: dict, what: str, accum: int, rtol=1e-4, atol=1e-6) -> str:
+    """'' when the gradients match, else which quantity is off and the fix."""
+    if set(got) != set(want):
+        return f"{what}: no .grad on {sorted(set(want) - set(got))}: backward every micro-batch"
+    if all(_close(got[k], want[k], rtol, atol) for k in want):
+        return ""
+    ratio = _ratio(got, want)
+    for factor, fix in (*([(accum, "divide each micro-batch loss by accum")] if accum > 1 else []),
+                        (2.0 ** 12, "step with scaler.step(optimizer), which unscales them first"),
+                        (2.0 ** -12, "backward through scaler.scale(loss), so scaler.step's unscaling undoes it")):
+        if abs(ratio / factor - 1) < 0.02:
+            return f"{what}: your gradients are {ratio:.4g}x the whole batch's: {fix}"
+    name = max(want, key=lambda k: float((got[k].float() - want[k]).abs().max()))
+    err = float((got[name].float() - want[name]).abs().max())
+    return f"{what}: {name}.grad differs from the whole batch's by up to {err:.2e} (ratio of norms {ratio:.3f})"
+
+
+def _loss_problem(loss, ref, accum, what, tol) -> str:
+    if loss is None:
+        return f"{what}: your step returned None: return the mean loss of the batch (a detached tensor)"
+    if abs(loss - ref["loss"]) <= tol:
+        return ""
+    how = f"returned loss {loss:.6f}, the whole batch's mean loss is {ref['loss']:.6f}"
+    if abs(loss - accum * ref["loss"]) <= accum * tol:
+        return f"{what}: {how} ({accum}x): divide each micro-batch loss by accum"
+    return f"{what}: {how}: return the sum of the micro-batch losses, each divided by accum (micro-batch losses " \
+           f"{[round(v, 4) for v in ref['micro']]})"
+
+
+def _forward_problem(out, accum, dtype_name, what) -> str:
+    """'' when the model ran `accum` forwards, each in `dtype_name` (its first Linear's output dtype)."""
+    seen = out["forward_dtypes"]
+    if len(seen) != accum:
+        return (f"{what}: your step ran {len(seen)} forwards of the model for accum={accum}: run a forward and a "
+                "backward on each of the accum micro-batches (inputs.chunk(accum))")
+    if any(d != dtype_name for d in seen):
+        return (f"{what}: the first Linear's outputs of the {accum} micro-batches were {seen}, expected "
+                f"{[dtype_name] * accum}: run each forward under torch.autocast(x.device.type, dtype=dtype)")
+    return ""
+
+
+def _weights_problem(got: dict, ref, lr, what, atol) -> str:
+    start = ref["start"]
+    if all(_close(got[k], start[k], 0, 0) for k in start):
+        return f"{what}: the weights did not change: step the optimizer, through scaler.step(optimizer)"
+    want = {k: start[k] - lr * ref["grads"][k] for k in start}
+    if all(_close(got[k], want[k], 1e-4, atol) for k in want):
+        return ""
+    err = max(float((got[k] - want[k]).abs().max()) for k in want)
+    return f"{what}: after the step the weights differ from one SGD step (lr {lr}) on the whole batch by {err:.2e}: " \
+           "take exactly one optimizer step, after the last micro-batch"
 
 
 @case("amp_accum_step", points=2)
-def fp32_accum_equals_the_full_batch_step(amp_accum_step):
-    x, y = _data()
-    ref, ref_loss = _reference(x, y)
-    model, loss = _step(amp_accum_step, x, y, accum=4, dtype=None)
-    assert loss is not None, "return the mean loss of the batch (detached)"
-    assert abs(float(loss) - ref_loss) < 1e-5, (
-        f"returned loss {float(loss):.6f}, the full batch's mean loss is {ref_loss:.6f}: return the sum of the "
-        "micro-batch losses, each divided by accum")
-    diff = _max_param_diff(model, ref)
-    assert diff < 1e-5, (
-        f"after the step the weights differ from one fp32 step on the whole batch by {diff:.2e}: divide each "
-        "micro-batch loss by accum, backward every micro-batch, then one optimizer step")
+def fp32_accum_4_is_one_sgd_step_on_the_whole_batch(student):
+    ref = reference(_full_batch, LR, 4)
+    out = _step(student, accum=4)
+    what = "fp32, accum=4, SGD"
+    for problem in (_forward_problem(out, 4, "float32", what), _grad_problem(out["grads"], ref["grads"], what, 4), _loss_problem(out["loss"], ref, 4, what, 1e-5),
+                    _weights_problem(out["weights"], ref, LR, what, 1e-6)):
+        assert not problem, problem
 
 
 @case("amp_accum_step", points=1)
-def bf16_autocast_stays_close_to_fp32(amp_accum_step):
-    import torch
+def stale_gradients_are_cleared_first(student):
+    ref = reference(_full_batch, LR, 2)
+    out = _step(student, accum=2, stale=3.0)
+    got, want = out["grads"], ref["grads"]
+    if set(got) == set(want) and all(_close(got[k] - 3.0, want[k], 1e-4, 1e-5) for k in want):
+        raise AssertionError("fp32, accum=2, every .grad holding 3.0 before the call: your gradients include that "
+                             "3.0: zero the gradients first (optimizer.zero_grad)")
+    problem = _grad_problem(got, want, "fp32, accum=2, stale .grad of 3.0 before the call", 2)
+    assert not problem, problem
 
-    x, y = _data()
-    ref, ref_loss = _reference(x, y)
-    model, loss = _step(amp_accum_step, x, y, accum=2, dtype=torch.bfloat16)
-    assert abs(float(loss) - ref_loss) < 0.05, f"bf16 loss {float(loss):.4f} vs fp32 {ref_loss:.4f}"
-    diff = _max_param_diff(model, ref)
-    assert diff < 2e-3, f"bf16 step differs from the fp32 step by {diff:.2e} in the weights (expected < 2e-3)"
-    assert all(p.dtype == torch.float32 for p in model.parameters()), "autocast must leave the weights fp32"
+
+@case("amp_accum_step", points=1)
+def fp16_with_a_grad_scaler_unscales_before_the_step(student):
+    ref = reference(_full_batch, 0.5, 2)
+    out = _step(student, accum=2, dtype_name="float16", init_scale=2.0 ** 12, lr=0.5)
+    what = "fp16 autocast, GradScaler(init_scale=4096), accum=2"
+    for problem in (_forward_problem(out, 2, "float16", what), _grad_problem(out["grads"], ref["grads"], what, 2, rtol=2e-2, atol=2e-3),
+                    _weights_problem(out["weights"], ref, 0.5, what, 2e-3)):
+        assert not problem, problem
+    assert out["scale"] == 2.0 ** 12, (f"{what}: the scale is {out['scale']:g} after a step without inf: call "
+                                       "scaler.update() once per optimizer step")
 
 
-def _block(seed=0):
+@case("amp_accum_step", points=1)
+def an_overflow_skips_the_step_and_halves_the_scale(student):
+    ref = reference(_full_batch, LR, 2)
+    out = _step(student, accum=2, dtype_name="float16", init_scale=2.0 ** 16, input_scale=1e6)
+    what = "fp16 autocast, inputs x 1e6 (inf in fp16), GradScaler(init_scale=65536)"
+    problem = _forward_problem(out, 2, "float16", what)
+    assert not problem, problem
+    moved = [k for k in ref["start"] if not _close(out["weights"][k], ref["start"][k], 0, 0)]
+    assert not moved, (f"{what}: the weights changed ({moved[0]}...): step with scaler.step(optimizer), which skips "
+                       "a step whose gradients hold inf or nan")
+    assert out["scale"] == 2.0 ** 15, (f"{what}: the scale is {out['scale']:g} after the overflow, expected 32768: "
+                                       "call scaler.update() after scaler.step (it halves the scale after an inf)")
+
+
+@case("amp_accum_step", points=1)
+def bf16_autocast_runs_the_forward_in_bf16(student):
+    ref = reference(_full_batch, LR, 2)
+    out = _step(student, accum=2, dtype_name="bfloat16")
+    what = "dtype=torch.bfloat16, accum=2"
+    for problem in (_forward_problem(out, 2, "bfloat16", what), _grad_problem(out["grads"], ref["grads"], what, 2, rtol=3e-2, atol=2e-3),
+                    _loss_problem(out["loss"], ref, 2, what, 0.02),
+                    _weights_problem(out["weights"], ref, LR, what, 2e-3)):
+        assert not problem, problem
+
+
+# ---------------------------------------------------------------- checkpointed_block
+def _block():
     import torch
     from torch import nn
 
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 32))
 
 
-@case("checkpointed_block", points=2)
-def gradients_equal_the_plain_block(checkpointed_block):
+def _input(requires_grad):
     import torch
 
-    block = _block()
-    x = torch.randn(16, 32, requires_grad=True)
-    block(x).square().sum().backward()
-    want = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
-    block.zero_grad()
-    x.grad = None
-    out = checkpointed_block(block, x)
-    assert torch.allclose(out, block(x)), "the output must equal block(x)"
-    out.square().sum().backward()
-    got = [p.grad for p in block.parameters()] + [x.grad]
-    assert all(g is not None and torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want)), (
-        "gradients of the weights and the input differ from the plain block's")
+    return torch.randn(16, 32, generator=torch.Generator().manual_seed(2)).requires_grad_(requires_grad)
 
 
-@case("checkpointed_block", points=2)
-def keeps_far_less_for_backward(checkpointed_block):
-    import torch
-
+def _plain(requires_grad):
+    """REFERENCE (grader's process): the plain block's output, gradients and bytes saved for backward."""
     from labkit.memory.sqrt_checkpointing import saved_bytes
 
-    block = _block()
-    x = torch.randn(64, 32, requires_grad=True)
-    _, plain = saved_bytes(block, x)
-    _, kept = saved_bytes(checkpointed_block, block, x)
-    assert kept <= plain / 4, (
-        f"autograd saved {kept:,} B for backward, the plain block {plain:,} B: a checkpointed block keeps only "
-        "its input (torch.utils.checkpoint.checkpoint)")
+    block, x = _block(), _input(requires_grad)
+    out, kept = saved_bytes(block, x)
+    out.square().sum().backward()
+    return {"out": out.detach(), "grads": _named(block, "grads"), "x_grad": x.grad, "kept": kept,
+            "x_bytes": x.numel() * x.element_size()}
+
+
+def _checkpoint_harness(checkpointed_block, requires_grad):
+    """HARNESS (the student's process): your block call under saved_bytes, then backward when it can."""
+    from labkit.memory.sqrt_checkpointing import saved_bytes
+
+    block, x = _block(), _input(requires_grad)
+    out, kept = saved_bytes(checkpointed_block, block, x)
+    result = {"out": out.detach(), "requires_grad": out.requires_grad, "kept": kept, "grads": {}, "x_grad": None}
+    if out.requires_grad:
+        out.square().sum().backward()
+        result.update(grads=_named(block, "grads"), x_grad=x.grad)
+    return result
+
+
+CHECKPOINTED = {"out": Tensor("float32", (16, 32)), "requires_grad": bool, "kept": int,
+                "grads": {str: Tensor("float32")}, "x_grad": ANY}
+
+
+def _gradients_problem(out, ref, what) -> str:
+    import torch
+
+    if not torch.allclose(out["out"], ref["out"], atol=1e-6):
+        return f"{what}: your output differs from block(x): return the block's output"
+    if not out["requires_grad"]:
+        return ""  # the caller names the fix for its case
+    problem = _grad_problem(out["grads"], ref["grads"], what, 1, atol=1e-6)
+    return problem.replace("the whole batch's", "the plain block's")
+
+
+@case("checkpointed_block", points=2)
+def gradients_equal_the_plain_blocks(student):
+    ref = reference(_plain, True)
+    out = student.run(_checkpoint_harness, True, returns=CHECKPOINTED)
+    what = "x with requires_grad=True"
+    assert out["requires_grad"], (f"{what}: your output does not require grad, so backward cannot reach the block: "
+                                  "return checkpoint(block, x, use_reentrant=False), not under torch.no_grad()")
+    problem = _gradients_problem(out, ref, what)
+    assert not problem, problem
+    assert out["x_grad"] is not None, (f"{what}: no gradient reached the input x: pass x itself to checkpoint, "
+                                       "not x.detach() (the layer below needs dL/dx)")
+    x_grad = conform(out["x_grad"], Tensor("float32", (16, 32)), "x.grad after your block's backward")
+    err = float((x_grad - ref["x_grad"]).abs().max())
+    assert err < 1e-6, f"{what}: x.grad differs from the plain block's by up to {err:.2e}"
+
+
+@case("checkpointed_block", points=1)
+def an_input_without_grad_still_gives_weight_gradients(student):
+    ref = reference(_plain, False)
+    out = student.run(_checkpoint_harness, False, returns=CHECKPOINTED)
+    what = "x with requires_grad=False (e.g. the output of a frozen stem)"
+    assert out["requires_grad"], (
+        f"{what}: your output does not require grad, so the block's weights get no gradient: use "
+        "use_reentrant=False (the reentrant checkpoint only tracks inputs that require grad)")
+    problem = _gradients_problem(out, ref, what)
+    assert not problem, problem
+
+
+@case("checkpointed_block", points=1)
+def keeps_only_its_input_for_backward(student):
+    ref = reference(_plain, True)
+    out = student.run(_checkpoint_harness, True, returns=CHECKPOINTED)
+    assert out["kept"] <= ref["x_bytes"], (
+        f"autograd saved {out['kept']:,} B for backward, the plain block {ref['kept']:,} B: wrap the call in "
+        f"torch.utils.checkpoint.checkpoint so backward recomputes the block; it keeps only its input "
+        f"({ref['x_bytes']:,} B)")

@@ -1,104 +1,292 @@
-"""Visible tests of notebook 04's exercises (shard_model, zero1_step). Each spawns 2 gloo ranks once."""
-from labkit.course.exercises import case, spawn
-from labkit.course.exercises.handmade import zero1_vs_adamw
+"""Visible tests of notebook 04_fsdp's code exercises (`ex.check` in the notebook, `labkit check`, `labkit grade`).
 
-#: LEGACY: these exercises' tests still run in the student's process; port them to `student.call /
-#: run / spawn` (docs/grading.md, "Porting a legacy exercise") and remove their names here.
-LEGACY = {"shard_model", "zero1_step"}
+Your function runs on gloo ranks in a harness below, which returns only what it produced (gradients,
+weights, dtypes seen in forward, what your state holds); the expected values are computed here, in the
+grader's process, on one unsharded model: the gradient every data-parallel rank must end with is the mean
+of the ranks' own gradients, ZeRO-1's step is plain AdamW on that mean. One spawn per exercise serves all
+its tests (`share=True`). Every convention a test checks is in the exercise's docstring.
+"""
+from labkit.course.exercises import ANY, Tensor, case, reference
+from labkit.course.exercises.expect import conform
 
 
-def _tiny_llama_losses(model, steps=3, lr=1e-2):
-    """AdamW steps on this rank's fixed token batch; the losses averaged over the ranks."""
+def _llama(blocks=2, width=32, vocab=64, seed=0):
     import torch
-    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    gen = torch.Generator().manual_seed(100 + dist.get_rank())
-    tokens = torch.randint(0, model.config.vocab_size, (2, 17), generator=gen)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for _ in range(steps):
-        logits = model(tokens[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    mean = torch.stack(losses)
-    dist.all_reduce(mean)
-    return (mean / dist.get_world_size()).tolist()
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
+                                        num_hidden_layers=blocks, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=32, tie_word_embeddings=False))
 
 
-def _fsdp_rank(rank, world, shard_model):
-    from types import SimpleNamespace
+def _tokens(rank, vocab=64, length=9, seed=100):
+    import torch
 
+    return torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(seed + rank))
+
+
+def _loss(model, tokens):
+    import torch.nn.functional as F
+
+    logits = model(tokens[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def _mean_llama_grads(world):
+    """REFERENCE (grader's process): each rank's gradient on the unsharded model, averaged over the ranks."""
+    local = []
+    for rank in range(world):
+        model = _llama()
+        _loss(model, _tokens(rank)).backward()
+        local.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    return {k: sum(g[k] for g in local) / world for k in local[0]}
+
+
+def _shard_harness(rank, world, shard_model):
+    """HARNESS (the student's ranks): your shard_model with an fp32 policy (one backward: gradients,
+    placements, units), then with a bf16 policy (the dtype each unit's weights have in forward)."""
+    import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor, Shard
 
-    from labkit.models import build_llm
-    from labkit.parallel.fsdp import apply_fsdp
-
     mesh = init_device_mesh("cpu", (world,))
-    theirs = apply_fsdp(build_llm("tiny-llama", seed=0), mesh, cfg=SimpleNamespace(amp="none"))
-    mine = shard_model(build_llm("tiny-llama", seed=0), mesh, MixedPrecisionPolicy())
-    params = dict(mine.named_parameters())
-    return {
-        "labkit": _tiny_llama_losses(theirs),
-        "mine": _tiny_llama_losses(mine),
-        "not_dtensor": [n for n, p in params.items() if not isinstance(p, DTensor)],
-        "not_sharded": [n for n, p in params.items()
-                        if isinstance(p, DTensor) and (p.device_mesh != mesh or p.placements != (Shard(0),))],
-        "units": {name or "<root>": isinstance(m, FSDPModule) for name, m in mine.named_modules()
-                  if name in ("", "model.layers.0", "model.layers.1")},
-    }
+    model = shard_model(_llama(), mesh, MixedPrecisionPolicy())
+    params = dict(model.named_parameters())
+    _loss(model, _tokens(rank)).backward()
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    out = {"grads": {n: full(p.grad).detach() for n, p in params.items() if p.grad is not None},
+           "not_dtensor": [n for n, p in params.items() if not isinstance(p, DTensor)],
+           "not_sharded": [n for n, p in params.items()
+                           if isinstance(p, DTensor) and (p.device_mesh != mesh or p.placements != (Shard(0),))],
+           "units": {name or "<root>": isinstance(m, FSDPModule) for name, m in model.named_modules()
+                     if name in ("", "model.layers.0", "model.layers.1")}}
+    model = shard_model(_llama(), mesh, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    # The masters as shard_model left them, read BEFORE the forward: a forward that crashes (units with different
+    # policies) leaves its units' gathered bf16 copies registered as the parameters.
+    masters = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    seen = {}
+
+    def probe(name):
+        # A PRE-hook (before the matmul: a unit left in fp32 beside bf16 inputs crashes in it) returning None
+        # (a hook's return value would replace the module's input).
+        def hook(module, args):
+            seen.setdefault(name, str(module.weight.dtype).removeprefix("torch."))
+        return hook
+
+    for i, block in enumerate(model.model.layers):
+        block.self_attn.q_proj.register_forward_pre_hook(probe(f"model.layers.{i}.self_attn.q_proj"))
+    model.lm_head.register_forward_pre_hook(probe("lm_head"))
+    try:
+        _loss(model, _tokens(rank)).backward()
+        error = ""
+    except RuntimeError as exc:  # e.g. "expected m1 and m2 to have the same dtype": units with different policies
+        error = str(exc).splitlines()[0][:200]
+    out.update(compute=seen, masters=masters, bf16_error=error)
+    return out
+
+
+SHARDED = {"grads": {str: Tensor("float32")}, "not_dtensor": [str], "not_sharded": [str], "units": {str: bool},
+           "compute": {str: str}, "masters": [str], "bf16_error": str}
+
+
+#: Imported by the forkserver of warm ranks once, not by every rank (4-5 s of CPU each).
+LLAMA = ("transformers.models.llama.modeling_llama",)
+
+
+def _sharded(student):
+    return student.spawn(_shard_harness, world=2, returns=SHARDED, share=True, timeout=180, imports=LLAMA)
 
 
 @case("shard_model", points=2)
-def losses_match_labkit_fsdp(shard_model):
-    out = spawn(_fsdp_rank, world=2, args=(shard_model,), timeout=180)[0]
-    assert not out["not_dtensor"], (
-        f"after shard_model these parameters are plain tensors, not sharded DTensors: {out['not_dtensor'][:4]}; "
-        "call fully_shard on the root too (it takes every parameter no block claimed)")
-    assert not out["not_sharded"], (
-        f"parameters not sharded as Shard(0) over the mesh you were given: {out['not_sharded'][:4]}")
-    worst = max(abs(a - b) for a, b in zip(out["mine"], out["labkit"]))
-    assert worst < 1e-5, (f"losses differ from labkit's apply_fsdp by up to {worst:.2e}: "
-                          f"yours {out['mine']}, labkit {out['labkit']}")
-    missing = [name for name, unit in out["units"].items() if not unit]
-    assert not missing, (f"{missing} are not FSDP units: fully_shard each block of model.model.layers, "
-                         "then the model itself (the losses can match without it, but the whole model is "
-                         "then gathered at once: no memory saved at the peak)")
+def every_block_and_the_root_are_sharded_units_with_ddps_gradients(student):
+    import torch
+
+    want = reference(_mean_llama_grads, 2)
+    for rank, out in enumerate(_sharded(student)):
+        assert not out["not_dtensor"], (
+            f"rank {rank} of 2: after shard_model {len(out['not_dtensor'])} parameters are plain tensors, not "
+            f"sharded DTensors ({', '.join(out['not_dtensor'][:3])}): call fully_shard on the root too (it takes "
+            "every parameter no block claimed)")
+        assert not out["not_sharded"], (f"rank {rank} of 2: parameters not sharded Shard(0) over the mesh you were "
+                                        f"given: {out['not_sharded'][:3]}: pass mesh=mesh to every fully_shard")
+        missing = [name for name, unit in out["units"].items() if not unit]
+        assert not missing, (f"rank {rank} of 2: {missing} are not FSDP units: fully_shard each block of "
+                             "model.model.layers, then the model itself (the gradients can match without it, but "
+                             "the whole model is then gathered at once: no memory saved at the peak)")
+        got = out["grads"]
+        assert set(got) == set(want), f"rank {rank} of 2: no gradient for {sorted(set(want) - set(got))[:3]}"
+        name = max(want, key=lambda k: float((got[k] - want[k]).abs().max()))
+        err = float((got[name] - want[name]).abs().max())
+        assert torch.allclose(got[name], want[name], rtol=1e-4, atol=1e-6), (
+            f"rank {rank} of 2, fp32 policy: {name}'s gradient differs by up to {err:.2e} from the mean of the ranks' "
+            "gradients, what DDP and apply_fsdp give")
 
 
-_RESULTS: dict = {}
+@case("shard_model", points=1)
+def every_unit_computes_in_the_policys_dtype(student):
+    for rank, out in enumerate(_sharded(student)):
+        assert out["masters"] == ["float32"], (
+            f"rank {rank} of 2, bf16 policy: the sharded parameters are {out['masters']}: keep the fp32 masters "
+            "(the policy casts a gathered copy to bf16 for compute; do not call .to(bfloat16))")
+        wrong = {k: v for k, v in out["compute"].items() if v != "bfloat16"}
+        blocks = [k for k in wrong if k.startswith("model.layers")]
+        assert not blocks, (f"rank {rank} of 2, bf16 policy: {blocks[0]} ran with {wrong[blocks[0]]} weights: "
+                            "pass mp_policy=mp_policy to the fully_shard of every block")
+        assert not wrong, (f"rank {rank} of 2, bf16 policy: lm_head ran with {wrong.get('lm_head')} weights: pass "
+                           "mp_policy=mp_policy to the root's fully_shard too (it owns the embedding and LM head)")
+        assert not out["bf16_error"], (f"rank {rank} of 2, bf16 policy: the forward failed ({out['bf16_error']}): "
+                                       "pass mp_policy=mp_policy to the fully_shard of every block and of the root")
 
 
-def zero1_results(zero1_step, steps=3, weight_decay=0.0):
-    """Per-rank results of `_zero1_rank`; both tests of one function share one spawn."""
-    key = (id(zero1_step), steps, weight_decay)
-    if key not in _RESULTS:
-        _RESULTS[key] = (zero1_step, spawn(zero1_vs_adamw, world=2, args=(zero1_step, steps, weight_decay), timeout=120))
-    return _RESULTS[key][1]
+# ---------------------------------------------------------------- zero1_step
+WORLD = 3
+STEPS = 3
+LR = 0.05
+DECAY = 0.1
 
 
-@case("zero1_step", points=2)
-def params_equal_plain_adamw(zero1_step):
-    for rank, out in enumerate(zero1_results(zero1_step)):
-        err = float((out["sharded"] - out["ref"]).abs().max())
-        assert err < 1e-5, (f"rank {rank}: after 3 steps your parameters differ from AdamW on the averaged "
-                            f"gradients by up to {err:.2e} (did every rank all-gather every slice, and "
-                            "average the gradients over the ranks?)")
+def _mlp():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))  # 227 parameters
 
 
-@case("zero1_step", points=2)
-def state_bytes_halve_on_two_ranks(zero1_step):
-    for rank, out in enumerate(zero1_results(zero1_step)):
-        alone, sharded = out["bytes_alone"], out["bytes_sharded"]
-        assert alone > 0 and sharded > 0, (
-            f"rank {rank}: your state dict holds {sharded} bytes (2 ranks) and {alone} bytes (1 rank): keep the "
-            "slice and its AdamW in `state` so they live across steps")
-        assert float((out["alone"] - out["ref"]).abs().max()) < 1e-5, (
-            f"rank {rank}: on a one-rank group your step does not equal plain AdamW")
-        assert sharded <= 0.55 * alone, (
-            f"rank {rank}: your state holds {sharded} bytes on 2 ranks vs {alone} bytes on 1 rank; ZeRO-1 keeps "
-            "only this rank's slice (and AdamW's moments of it): about half")
+def _mlp_batches(rank, steps):
+    import torch
+
+    gen = torch.Generator().manual_seed(rank)
+    return [(torch.randn(8, 10, generator=gen), torch.randn(8, 3, generator=gen)) for _ in range(steps)]
+
+
+def _flat(values):
+    import torch
+
+    return torch.cat([v.detach().reshape(-1) for v in values])
+
+
+def _adamw_on_the_mean(world, steps, lr, weight_decay, groups):
+    """REFERENCE (grader's process): per rank, plain AdamW on the gradient averaged over the rank's group
+    (what DDP + AdamW does); the flat weights after each step and every rank's own first gradients."""
+    import torch
+    import torch.nn.functional as F
+
+    group_of = {r: g for g in groups for r in g}
+    models = [_mlp() for _ in range(world)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=weight_decay) for m in models]
+    batches = [_mlp_batches(r, steps) for r in range(world)]
+    weights, first = [[] for _ in range(world)], []
+    for step in range(steps):
+        local = []
+        for rank, model in enumerate(models):
+            model.zero_grad()
+            x, y = batches[rank][step]
+            F.mse_loss(model(x), y).backward()
+            local.append([p.grad.clone() for p in model.parameters()])
+        if step == 0:
+            first = [_flat(g) for g in local]
+        for rank, model in enumerate(models):
+            members = group_of[rank]
+            for i, p in enumerate(model.parameters()):
+                p.grad = sum(local[r][i] for r in members) / len(members)
+            opts[rank].step()
+            weights[rank].append(_flat(model.parameters()))
+    return {"weights": weights, "first_local": first}
+
+
+def _zero1_harness(rank, world, zero1_step, steps, lr, weight_decay):
+    """HARNESS (the student's ranks): `steps` of your zero1_step on this rank's own data; the flat weights
+    after each step, the gradient your slice's AdamW saw first (from its first moment) and your state's bytes."""
+    import torch
+    import torch.nn.functional as F
+
+    from labkit.course.exercises.handmade import state_bytes
+
+    model, state, weights, seen = _mlp(), {}, [], None
+    params = list(model.parameters())
+    for step, (x, y) in enumerate(_mlp_batches(rank, steps)):
+        F.mse_loss(model(x), y).backward()
+        zero1_step(params, state, lr=lr, weight_decay=weight_decay)
+        model.zero_grad(set_to_none=True)
+        weights.append(_flat(params))
+        opts = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
+        if step == 0 and len(opts) == 1:
+            moments = [s["exp_avg"] for s in opts[0].state.values() if "exp_avg" in s]
+            beta1 = opts[0].param_groups[0]["betas"][0]
+            seen = moments[0].detach().reshape(-1) / (1 - beta1) if len(moments) == 1 else None
+    return {"weights": weights, "first_slice_grad": seen, "state_bytes": state_bytes(state)}
+
+
+ZERO1 = {"weights": [Tensor("float32", (227,))], "first_slice_grad": ANY, "state_bytes": int}
+
+
+def _zero1(student):
+    return student.spawn(_zero1_harness, world=WORLD, args=(STEPS, LR, DECAY), returns=ZERO1, share=True)
+
+
+def _slice_problem(rank, seen, ref, size) -> str:
+    """What the gradient a rank's AdamW saw first says ('' when it is this rank's slice of the mean)."""
+    import torch
+
+    seen = conform(seen, Tensor("float32", (None,)), f"zero1_step on rank {rank}: the AdamW's first moment")
+    where = f"rank {rank} of {WORLD}"
+    if seen.numel() != size:
+        return (f"{where}: your slice holds {seen.numel()} elements; 227 parameters over {WORLD} ranks give slices of "
+                f"L = ceil(227 / {WORLD}) = {size} (pad the flat vector to {size * WORLD})")
+    mean = torch.nn.functional.pad(sum(ref["first_local"]) / WORLD, (0, size * WORLD - 227))
+    own = torch.nn.functional.pad(ref["first_local"][rank], (0, size * WORLD - 227))
+    mine = slice(rank * size, (rank + 1) * size)
+    close = lambda a, b: bool(torch.allclose(a, b, rtol=1e-4, atol=1e-7))  # noqa: E731
+    if close(seen, mean[mine]):
+        return ""
+    if close(seen, WORLD * mean[mine]):
+        return f"{where}: the gradient your slice's AdamW got is {WORLD}.00x the average: divide by the group size"
+    for factor, what in ((1, ""), (1 / WORLD, f" divided by {WORLD}")):
+        if close(seen, factor * own[mine]):
+            return (f"{where}: the gradient your slice's AdamW got is this rank's own{what}: average the flat "
+                    "gradients over the group (all-reduce, or reduce-scatter) before the step")
+    for other in range(WORLD):
+        if other != rank and close(seen, mean[other * size:(other + 1) * size]):
+            return (f"{where} stepped elements [{other * size}, {(other + 1) * size}): each rank steps its own "
+                    f"slice, [rank * L, (rank + 1) * L) = [{rank * size}, {(rank + 1) * size})")
+    err = float((seen - mean[mine]).abs().max())
+    return f"{where}: the gradient your slice's AdamW got differs from the average's slice by up to {err:.2e}"
+
+
+@case("zero1_step", points=3)
+def weights_equal_adamw_on_the_averaged_gradients_on_3_ranks(student):
+    import torch
+
+    ref = reference(_adamw_on_the_mean, WORLD, STEPS, LR, DECAY, [list(range(WORLD))])
+    size = -(-227 // WORLD)
+    outs = _zero1(student)
+    for rank, out in enumerate(outs):  # every rank's slice first: a wrong slice on rank 1 is what breaks rank 0's weights
+        if out["first_slice_grad"] is not None:
+            problem = _slice_problem(rank, out["first_slice_grad"], ref, size)
+            assert not problem, problem
+    for rank, out in enumerate(outs):
+        for step, (got, want) in enumerate(zip(out["weights"], ref["weights"][rank])):
+            if torch.allclose(got, want, atol=1e-5):
+                continue
+            err = float((got - want).abs().max())
+            default = reference(_adamw_on_the_mean, WORLD, STEPS, LR, 0.01, [list(range(WORLD))])["weights"][rank]
+            fix = ("pass weight_decay=weight_decay to AdamW (its default is 0.01)"
+                   if torch.allclose(got, default[step], atol=1e-6) else
+                   "all-gather every rank's updated slice and write the whole vector back into the parameters")
+            raise AssertionError(f"rank {rank} of {WORLD}: after step {step + 1} (AdamW, lr {LR}, weight decay "
+                                 f"{DECAY}) your weights differ from AdamW on the averaged gradients by up to "
+                                 f"{err:.2e}: {fix}")
+
+
+@case("zero1_step", points=1)
+def the_state_holds_one_slice(student):
+    size = -(-227 // WORLD)
+    want = 3 * 4 * size + 4  # fp32 slice + exp_avg + exp_avg_sq, and AdamW's step counter
+    for rank, out in enumerate(_zero1(student)):
+        got = out["state_bytes"]
+        assert 0 < got <= want + want // 4, (
+            f"rank {rank} of {WORLD}: your state holds {got:,} B; ZeRO-1 keeps about {want:,} B per rank here: this "
+            f"rank's fp32 slice of L = ceil(227 / {WORLD}) = {size} elements and AdamW's two moments of it "
+            f"(3 x 4 B x {size}) plus its step counter: keep only this rank's slice and its AdamW in `state`")

@@ -8,10 +8,6 @@ VISIBLE mutant: a visible test must fail on it with a message containing the fix
 `VARIES = {"<id>": "what the hidden tests vary"}` (shown by `ex.check` and `labkit check`).
 Files are loaded as fresh modules that are NOT registered in `sys.modules`, so cloudpickle ships their
 harness functions to the student's side by value. docs/grading.md ("For authors") explains the pattern.
-
-LEGACY (to be removed when the last lab is ported): a test file may list exercises in
-`LEGACY = {"<id>", ...}`; their cases still receive the student's function itself and run in the student's
-process (labkit.course.exercises.runner), where student code can forge their outcome.
 """
 from __future__ import annotations
 
@@ -55,11 +51,9 @@ class Case:
     points: float
     """Points earned when the test passes (partial credit per test)."""
     fn: Callable
-    """The test: `fn(student_function)`; raises to fail."""
+    """The test: `fn(student)` (a Student, never the student's function); raises to fail."""
     hidden: bool = False
     """Loaded from a hidden test file: its message, inputs and expected values are never shown."""
-    legacy: bool = False
-    """Old style (the file's LEGACY lists the exercise): `fn` takes the student's function and runs beside it."""
 
 
 @dataclass(frozen=True)
@@ -136,13 +130,11 @@ def load_cases_from_text(text: str, file_name: str, *, hidden: bool) -> list[Cas
 
 
 def _cases(module: types.ModuleType, hidden: bool) -> list[Case]:
-    legacy = set(getattr(module, "LEGACY", ()))
     cases = []
     for name, obj in vars(module).items():
         mark = getattr(obj, _CASE_ATTR, None)
         if callable(obj) and mark is not None:
-            cases.append(Case(exercise=mark[0], name=name, points=mark[1], fn=obj, hidden=hidden,
-                              legacy=mark[0] in legacy))
+            cases.append(Case(exercise=mark[0], name=name, points=mark[1], fn=obj, hidden=hidden))
     return cases
 
 

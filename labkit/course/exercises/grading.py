@@ -5,17 +5,15 @@ with a timeout for `labkit check` on a student's own machine) and the tests run 
 (labkit.course.exercises.judge). Each test becomes a `CheckResult` named "<exercise>: <test>" with its points
 from the grader's own plan (partial credit per test); a hidden test is `visible=False`, so feedback shows its
 name and pass/fail only. An exercise whose process hangs, crashes or prints past the cap fails the tests it
-had not finished, with a reason; the other exercises still run. Exercises a test file still lists in LEGACY
-take the legacy in-process runner (labkit.course.exercises.runner) until their lab is ported.
+had not finished, with a reason; the other exercises still run.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit.course.exercises.cases import STATUSES, Case, CaseResult, load_cases
+from labkit.course.exercises.cases import Case, load_cases
 from labkit.course.exercises.judge import VariantResult, judge
-from labkit.course.exercises.runner import OK, payload_of, run_exercise
 from labkit.course.exercises.source import exercise_cells
 from labkit.course.grading.checks import CheckResult
 
@@ -25,9 +23,9 @@ DEFAULT_TIMEOUT_S = 300.0
 
 def source_tests_dir() -> Path:
     """notebooks/tests of the source tree this labkit was imported from (it may not exist: an installed wheel)."""
-    import labkit
+    from labkit.course import source_tree
 
-    return Path(labkit.__file__).resolve().parents[1] / "notebooks" / "tests"
+    return source_tree() / "notebooks" / "tests"
 
 
 def visible_dir_of(autograder: Path) -> Path:
@@ -72,8 +70,6 @@ class Plan:
     hidden: tuple[Path, ...]
     exercises: tuple[str, ...]
     points: dict
-    legacy: frozenset = frozenset()
-    """LEGACY (remove with the runner): exercises whose tests still run in the student's process."""
 
     @property
     def max_score(self) -> float:
@@ -91,55 +87,26 @@ def plan_for(notebook: str, visible_dir: Path | None, hidden_dir: Path | None = 
                        for d in (visible_dir, hidden_dir))
     exercises: list[str] = []
     points: dict[str, float] = {}
-    legacy: set[str] = set()
     for path in visible + hidden:
         for case in load_cases(path, hidden=path in hidden):
             if case.exercise not in exercises:
                 exercises.append(case.exercise)
             points[case.exercise] = points.get(case.exercise, 0.0) + case.points
-            if case.legacy:
-                legacy.add(case.exercise)
-    return Plan(visible, hidden, tuple(exercises), points, frozenset(legacy))
+    return Plan(visible, hidden, tuple(exercises), points)
 
 
 def run_variants(exercise: str, sources: list[str], plan: Plan, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  memory_bytes: int = 8 * 2**30, output_bytes: int = 50 * 2**20, isolation=None, private: tuple = (),
-                 kernel: str = "labkit", reveal_hidden: bool = False) -> list[VariantResult]:
-    """Every case of `exercise` on each source variant (the submitted cell; in CI the solution and its mutants).
-    A legacy exercise's hidden messages come back only with `reveal_hidden`."""
+                 kernel: str = "labkit") -> list[VariantResult]:
+    """Every case of `exercise` on each source variant (the submitted cell; in CI the solution and its mutants),
+    judged in this process (labkit.course.exercises.judge): hidden tests' messages included (the grader's own
+    data; what feedback shows of them is _check_results' business)."""
     from labkit.course.exercises import wire
 
-    cases = plan.cases(exercise)
-    options = dict(timeout_s=timeout_s, memory_bytes=memory_bytes, output_bytes=output_bytes, isolation=isolation,
-                   private=private, kernel=kernel)
-    if exercise not in plan.legacy:  # an answer is output too: --output-mib caps it (refused before it is read)
-        return judge(exercise, sources, cases, max_message=min(wire.MAX_BYTES, output_bytes), **options)
-    tests = payload_of(plan.visible, False) + payload_of(plan.hidden, True)
-    run = run_exercise(exercise, sources, tests, reveal_hidden=reveal_hidden, **options)
-    if run.status != OK or len(run.variants) != len(sources):
-        reason = run.reason or "the exercise's process reported the wrong number of variants"
-        return [VariantResult(tuple(CaseResult(c, "fail", reason) for c in cases), reason, "process")] * len(sources)
-    return [legacy_results(cases, variant) for variant in run.variants]
-
-
-def legacy_results(cases: list[Case], variant) -> VariantResult:
-    """LEGACY: the plan's cases with the statuses a student's process reported, by test name. Names, points
-    and visibility are the plan's; a status is pass / fail / not attempted or it is a fail."""
-    if type(variant) is not dict:
-        variant = {"error": "the exercise's process wrote an unreadable report"}
-    if "error" in variant:
-        error = str(variant["error"])[:300]
-        return VariantResult(tuple(CaseResult(c, "fail", error) for c in cases), error, "cell")
-    rows = variant.get("results")
-    reported = {r["name"]: r for r in (rows if type(rows) is list else [])
-                if type(r) is dict and type(r.get("name")) is str}
-    out = []
-    for c in cases:
-        row = reported.get(c.name, {})
-        status = row.get("status") if row.get("status") in STATUSES else "fail"
-        message = "" if status == "pass" else str(row.get("message", "") if row else "no result reported")
-        out.append(CaseResult(c, status, message))
-    return VariantResult(tuple(out))
+    # an answer is output too: --output-mib caps it (refused before it is read)
+    return judge(exercise, sources, plan.cases(exercise), max_message=min(wire.MAX_BYTES, output_bytes),
+                 timeout_s=timeout_s, memory_bytes=memory_bytes, output_bytes=output_bytes, isolation=isolation,
+                 private=private, kernel=kernel)
 
 
 def _check_results(exercise: str, variant: VariantResult, reveal_hidden: bool) -> tuple[str, str, tuple]:
@@ -189,8 +156,7 @@ def grade_exercises(nb, notebook: str, plan: Plan, *, timeout_s: float = DEFAULT
             grades.append(_missing(exercise, plan))
             continue
         variant = run_variants(exercise, [cells[exercise]], plan, timeout_s=timeout_s, memory_bytes=memory_bytes,
-                               output_bytes=output_bytes, isolation=isolation, private=private, kernel=kernel,
-                               reveal_hidden=reveal_hidden)[0]
+                               output_bytes=output_bytes, isolation=isolation, private=private, kernel=kernel)[0]
         grades.append(ExerciseGrade(exercise, *_check_results(exercise, variant, reveal_hidden)))
     return grades
 

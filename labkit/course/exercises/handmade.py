@@ -5,12 +5,11 @@ strategy, loss for loss. That only means something if everything else is the sam
 initial weights (its seed), the same global batches (each rank its DistributedSampler share, as
 `labkit.train.data.StepLoader` hands them out), the same AdamW and learning rate, the loss averaged
 over the ranks: `replay.library_parts` builds them, `train_llm` is the loop, short enough to read whole.
-`zero1_vs_adamw` and `state_bytes` are what notebook 04's ZeRO-1 tests and compare cell measure with.
+`state_bytes` is what notebook 04's ZeRO-1 tests and compare cell measure a rank's state with.
 Introduced in notebook 04_fsdp.
 """
 from __future__ import annotations
 
-import copy
 from typing import Callable
 
 import torch
@@ -81,36 +80,3 @@ def state_bytes(obj, seen: set | None = None) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(state_bytes(item, seen) for item in obj)
     return 0
-
-
-def zero1_vs_adamw(rank: int, world: int, zero1_step: Callable, steps: int = 3, weight_decay: float = 0.0) -> dict:
-    """Rank function of notebook 04's ZeRO-1 tests: a small MLP trained 3 ways on this rank's own data --
-    plain AdamW on the gradients averaged over the ranks (the reference, what DDP + AdamW does),
-    `zero1_step` over all ranks, and `zero1_step` on a one-rank group (nothing sharded). Returns the
-    flat parameters of each and the state bytes of both `zero1_step` runs."""
-    torch.manual_seed(0)
-    ref = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))  # 227 params
-    sharded, alone = copy.deepcopy(ref), copy.deepcopy(ref)
-    solo_groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
-    gen = torch.Generator().manual_seed(rank)
-    batches = [(torch.randn(8, 10, generator=gen), torch.randn(8, 3, generator=gen)) for _ in range(steps)]
-    opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=weight_decay)
-    states = {"sharded": {}, "alone": {}}
-    for x, y in batches:
-        for model in (ref, sharded, alone):
-            torch.nn.functional.mse_loss(model(x), y).backward()
-        for p in ref.parameters():  # what DDP does before a plain optimizer step
-            dist.all_reduce(p.grad)
-            p.grad /= world
-        opt.step()
-        zero1_step(list(sharded.parameters()), states["sharded"], lr=0.05, weight_decay=weight_decay)
-        alone_params = list(alone.parameters())
-        for p in alone_params:  # the one-rank run: average the gradients first, as for the reference
-            dist.all_reduce(p.grad)
-            p.grad /= world
-        zero1_step(alone_params, states["alone"], lr=0.05, weight_decay=weight_decay, group=solo_groups[rank])
-        for model in (ref, sharded, alone):
-            model.zero_grad(set_to_none=True)
-    flat = lambda m: torch.nn.utils.parameters_to_vector(m.parameters()).detach()  # noqa: E731
-    return {"ref": flat(ref), "sharded": flat(sharded), "alone": flat(alone),
-            "bytes_sharded": state_bytes(states["sharded"]), "bytes_alone": state_bytes(states["alone"])}

@@ -3,7 +3,7 @@
 `launch(module, work, ...)` runs `python -m <module> SCRATCH MEMORY <extra>` inside the grading sandbox
 (labkit.course.grading.isolation: read-only file system, private scratch, no network, own PID namespace)
 when an isolation is given; whatever the process prints goes to a pipe an `OutputTap` counts (past the cap
-the caller kills the tree). Used by the judge (labkit.course.exercises.judge) and the legacy runner.
+the caller kills the tree). Used by the judge (labkit.course.exercises.judge).
 """
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ def perform(fn: Callable, request: dict, reraise: tuple = ()) -> dict:
             from labkit.course.exercises.spawn import spawn
 
             value = spawn(request["harness"], world=request["world"], args=(fn, *request["args"]),
-                          timeout=request["timeout"])
+                          timeout=request["timeout"], imports=request.get("imports", ()))
         else:
             return {"kind": "error", "type": "ProtocolError", "message": f"unknown request {op!r}"}
     except reraise:

@@ -39,6 +39,9 @@ _POLL_S = 0.05
 #: Characters of a rank's captured output relayed to the caller.
 _OUTPUT_CHARS = 20_000
 _ENTRY = "labkit.course.exercises._rank"
+#: What a warm ranks' forkserver imports before it forks any rank. torch._dynamo: every torch.optim optimizer
+#: imports it when it is built (1.8 s of CPU a rank; 0.2 s of it come back as a costlier fork).
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "cloudpickle", _ENTRY)
 
 
 def _child_env(rank: int, world: int, port: int) -> dict[str, str]:
@@ -85,7 +88,7 @@ def warm_ranks():
 
     global _WARM
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", _ENTRY])
+    ctx.set_forkserver_preload(list(_PRELOAD))
     _WARM = ctx
     try:
         yield
@@ -114,7 +117,7 @@ def _kernel_warm():
         from multiprocessing import forkserver
 
         _KERNEL_WARM = multiprocessing.get_context("forkserver")
-        _KERNEL_WARM.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", _ENTRY])
+        _KERNEL_WARM.set_forkserver_preload(list(_PRELOAD))
         atexit.register(_stop_forkserver, forkserver)
     return _KERNEL_WARM
 
@@ -126,10 +129,19 @@ def _stop_forkserver(forkserver) -> None:
             stop()
 
 
-def _start_forkserver() -> None:
+def _start_forkserver(ctx, imports: tuple[str, ...] = ()) -> None:
     """Start the forkserver (once) with this process's import path, as a fresh rank gets it: Python 3.11's
-    forkserver imports its preloads before it would read the caller's sys.path."""
+    forkserver imports its preloads before it would read the caller's sys.path. A spawn whose ranks import
+    modules the running forkserver has not (`imports`) stops it and starts one that imports them too: its
+    ranks, and every later one, fork with them already imported (a module that fails to import is skipped
+    by the forkserver; the rank's own import then reports it)."""
     from multiprocessing import forkserver
+
+    preload = list(getattr(forkserver._forkserver, "_preload_modules", None) or _PRELOAD)
+    missing = [m for m in imports if m not in preload]
+    if missing:
+        _stop_forkserver(forkserver)
+        ctx.set_forkserver_preload(preload + missing)
 
     before = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = _child_env(0, 1, 0)["PYTHONPATH"]
@@ -167,6 +179,16 @@ def _forked_rank(work: str, rank: int, env: dict[str, str], cwd: str) -> None:
     the caller's directory, environment and import path), then the same `_rank.main`, tied to the forkserver
     (which ends with the caller)."""
     os.setsid()
+    # The forkserver hands each child the caller's end of its "alive" pipe (so that a child could use the
+    # forkserver in turn); a rank never does, and holding it keeps the forkserver from seeing its caller die:
+    # the forkserver then outlives a killed caller, and the ranks tied to it live on (seen: a killed
+    # `labkit check` left both ranks running). Closed, the forkserver exits with the caller and the ranks' parent-death signal fires.
+    from multiprocessing import forkserver
+
+    alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
     os.chdir(cwd)
     log = os.open(Path(work) / f"rank_{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -188,12 +210,12 @@ def _forked_rank(work: str, rank: int, env: dict[str, str], cwd: str) -> None:
     os._exit(code)
 
 
-def _start(work: Path, rank: int, world: int, port: int):
+def _start(work: Path, rank: int, world: int, port: int, imports: tuple[str, ...] = ()):
     """One rank: forked from the forkserver inside `warm_ranks()` or in a Jupyter kernel, else a fresh
     interpreter."""
     ctx = _WARM or (_kernel_warm() if _in_kernel() else None)
     if ctx is not None:
-        _start_forkserver()
+        _start_forkserver(ctx, imports)
         return _Forked(ctx, work, rank, _child_env(rank, world, port))
     with open(work / f"rank_{rank}.log", "wb") as log:
         return subprocess.Popen([sys.executable, "-m", _ENTRY, str(work), str(os.getpid())],
@@ -286,9 +308,10 @@ def _port_taken(work: Path, world: int) -> bool:
 
 
 def spawn(fn: Callable, world: int = 2, args: tuple = (), timeout: float = DEFAULT_TIMEOUT_S,
-          profile: str | None = None) -> list:
+          profile: str | None = None, imports: tuple[str, ...] = ()) -> list:
     """Run `fn(rank, world, *args)` on `world` ranks (gloo on CPU, or `profile`'s devices and backend);
-    the list of per-rank return values."""
+    the list of per-rank return values. `imports`: modules `fn` imports that warm ranks should find
+    imported (their forkserver imports them once)."""
     import cloudpickle
 
     from labkit.launch import free_port
@@ -313,7 +336,7 @@ def spawn(fn: Callable, world: int = 2, args: tuple = (), timeout: float = DEFAU
             procs = []
             try:
                 for rank in range(world):
-                    procs.append(_start(work, rank, world, port))
+                    procs.append(_start(work, rank, world, port, tuple(imports)))
                 failed, timed_out = _wait(procs, timeout)
             finally:
                 _kill(procs)

@@ -64,6 +64,7 @@ class Student:
     def __init__(self, exercise: str):
         self.exercise = exercise
         self._last_label = exercise
+        self._runs: dict = {}
 
     # ------------------------------------------------------------ the API of test authors
     def call(self, *args, returns, **kwargs):
@@ -79,14 +80,19 @@ class Student:
         return self._ask({"op": "run", "harness": harness, "args": args, "kwargs": kwargs}, label, returns)
 
     def spawn(self, harness: Callable, *, world: int = 2, args: tuple = (), returns,
-              timeout: float = SPAWN_TIMEOUT_S) -> list:
+              timeout: float = SPAWN_TIMEOUT_S, share: bool = False, imports: tuple[str, ...] = ()) -> list:
         """`harness(rank, world, <id>, *args)` on `world` gloo ranks on the student's side; the per-rank
-        return values, each checked against `returns`."""
+        return values, each checked against `returns`. `share=True`: the tests of this student that spawn
+        the same (harness, world, args) share one run (its values, or what it raised), so one spawn serves
+        several tests, each worth its own points. `imports`: heavy modules the harness imports (say
+        "transformers.models.llama.modeling_llama": seconds per rank); warm ranks fork with them imported."""
         if not isinstance(world, int) or isinstance(world, bool) or world < 1:
             raise ValueError(f"spawn world={world!r}; it must be a positive integer")
         label = f"{self.exercise} on {world} ranks in {getattr(harness, '__name__', 'harness')}"
-        values = self._ask({"op": "spawn", "harness": harness, "world": world, "args": tuple(args),
-                            "timeout": float(timeout)}, label, [ANY])
+        request = {"op": "spawn", "harness": harness, "world": world, "args": tuple(args), "timeout": float(timeout)}
+        if imports:
+            request["imports"] = tuple(str(m) for m in imports)
+        values = self._shared(request, label) if share else self._ask(request, label, [ANY])
         if len(values) != world:
             raise ReturnTypeError(f"{label} returned {len(values)} results for {world} ranks")
         return [conform(v, returns, f"{label}: rank {r}") for r, v in enumerate(values)]
@@ -105,6 +111,21 @@ class Student:
         raise AssertionError(f"{self._last_label} returned normally; it must raise {' or '.join(names)}")
 
     # ------------------------------------------------------------ the mechanics
+    def _shared(self, request: dict, label: str) -> list:
+        """`_ask(request)` once per identical request of this student; later asks get a copy of its outcome."""
+        key = request_key(request)
+        if key is None:
+            return self._ask(request, label, [ANY])
+        if key not in self._runs:
+            try:
+                self._runs[key] = (True, self._ask(request, label, [ANY]))
+            except (StudentError, NotAttempted, ReturnTypeError) as exc:
+                self._runs[key] = (False, exc)
+        ok, outcome = self._runs[key]
+        if not ok:
+            raise outcome
+        return copy.deepcopy(outcome)
+
     def _ask(self, request: dict, label: str, returns):
         self._last_label = label
         return settle(self._exchange(request), label, returns)
@@ -115,7 +136,7 @@ class Student:
 
 
 class LocalStudent(Student):
-    """The student's function in this process (the notebook's `ex.check`, the legacy in-process runner)."""
+    """The student's function in this process (the notebook's `ex.check`)."""
 
     def __init__(self, fn: Callable, exercise: str | None = None):
         super().__init__(exercise or getattr(fn, "__name__", "exercise"))
@@ -235,6 +256,16 @@ def waiting():
         _set_rng_state(saved)
 
 
+def request_key(value) -> str | None:
+    """A digest of a (picklable) request or reference call, or None when it does not pickle."""
+    try:
+        import cloudpickle
+
+        return hashlib.sha256(cloudpickle.dumps(value)).hexdigest()
+    except Exception:  # noqa: BLE001 - an argument that does not pickle: no key
+        return None
+
+
 def grader_seconds() -> float:
     """Seconds this thread has spent on the grader's own work (references, trusted spawns, waiting for the
     grader's lock) since it started: a student's deadline is extended by these, so a slow reference
@@ -254,12 +285,10 @@ def _cached(kind: str, fn: Callable, args: tuple, kwargs: dict, compute: Callabl
     cache = getattr(_local, "cache", None)
     if cache is None:
         return _timed(compute)
-    try:
-        import cloudpickle
-
-        key = (kind, hashlib.sha256(cloudpickle.dumps((fn, args, sorted(kwargs.items())))).hexdigest())
-    except Exception:  # noqa: BLE001 - an argument that does not pickle: just compute
+    digest = request_key((fn, args, sorted(kwargs.items())))
+    if digest is None:
         return _timed(compute)
+    key = (kind, digest)
     if key not in cache:
         cache[key] = _timed(compute)
     return copy.deepcopy(cache[key])

@@ -12,27 +12,21 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from labkit.course.exercises.cases import Case, CaseResult, ExerciseError
+from labkit.course.exercises.cases import Case, CaseResult
 from labkit.course.exercises.student import LocalStudent, NotAttempted, StudentError, StudentGone, judging
 
 
-def _is_stub(exc: BaseException) -> bool:
-    return isinstance(exc, NotImplementedError) or (isinstance(exc, ExerciseError) and exc.not_attempted)
-
-
-def run_case(case_: Case, arg) -> CaseResult:
-    """Run one case: `arg` is a Student (or, for a legacy case, the student's function itself). Pass when
+def run_case(case_: Case, student) -> CaseResult:
+    """Run one case with `student` (a Student). Pass when
     the test returns, fail when it raises (its message), not attempted when the stub answered. A Student
     whose process is gone raises StudentGone through."""
     try:
-        case_.fn(arg)
+        case_.fn(student)
     except StudentGone:
         raise
     except NotAttempted as exc:
         return CaseResult(case_, "not attempted", str(exc))
     except Exception as exc:  # noqa: BLE001 - any error fails the case
-        if case_.legacy and _is_stub(exc):
-            return CaseResult(case_, "not attempted", str(exc))
         if isinstance(exc, (AssertionError, StudentError)):
             message = str(exc) or _last_frame(exc)
         else:  # the test itself choked on what came back
@@ -52,22 +46,24 @@ def _last_frame(exc: BaseException) -> str:
 
 def run_cases(fn: Callable | None, cases: list[Case], *, student=None, cache: dict | None = None,
               before: Callable[[Case], None] | None = None) -> list[CaseResult]:
-    """Run `cases`: each gets `student` (default: a LocalStudent of `fn`), a legacy case `fn` itself. Once
+    """Run `cases`: each gets `student` (default: a LocalStudent of `fn`, one per exercise). Once
     the stub answers NotImplementedError the rest are not attempted too; once the student's process is
     gone the rest fail with its reason. `cache` holds the references of this run (see student.reference);
     `before(case)` is called as each case starts."""
     results: list[CaseResult] = []
     stop: tuple[str, str] | None = None
+    local: dict[str, LocalStudent] = {}  # one per exercise: its tests share its runs (`student.spawn(share=True)`)
     for case_ in cases:
         if stop is not None:
             results.append(CaseResult(case_, *stop))
             continue
-        arg = fn if case_.legacy else (student or LocalStudent(fn, case_.exercise))
+        if student is None and case_.exercise not in local:
+            local[case_.exercise] = LocalStudent(fn, case_.exercise)
         if before is not None:
             before(case_)
         try:
             with judging(cache):
-                result = run_case(case_, arg)
+                result = run_case(case_, student or local[case_.exercise])
         except StudentGone as exc:
             result, stop = CaseResult(case_, "fail", str(exc)), ("fail", str(exc))
         results.append(result)

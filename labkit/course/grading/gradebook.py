@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any, Iterable, Sequence
 
 from labkit.course.grading.evaluate import STATUSES, Grade
-from labkit.course.grading.text import FIELD_CHARS, clean  # noqa: F401 - FIELD_CHARS: the limit clean applies
+from labkit.course.grading.text import clean
 from labkit.course.grading.text import csv_field as _text
 
 GRADES_COLUMNS = ("student", "notebook", "score", "max_score", "status", "detail")

@@ -147,9 +147,9 @@ class Settings:
 
 
 def _labkit_source() -> Path:
-    import labkit
+    from labkit.course import source_tree
 
-    tree = Path(labkit.__file__).resolve().parents[1]
+    tree = source_tree()
     if not (tree / "pyproject.toml").is_file():
         raise GradingError(f"labkit at {tree} is not a source tree (no pyproject.toml); run `labkit assign "
                            "--gradescope` from a checkout of the course repository")

@@ -197,10 +197,10 @@ def _probe(level: str, network: bool) -> str | None:
 
 def labkit_path() -> str:
     """PYTHONPATH with the directory holding this labkit first (the sandboxed processes import the same one)."""
-    import labkit
+    from labkit.course import source_tree
 
     rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return os.pathsep.join([str(Path(labkit.__file__).resolve().parents[1]), *rest])
+    return os.pathsep.join([str(source_tree()), *rest])
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from labkit.course import source_tree
 from labkit.course.site import leaks as L
 from labkit.course.site import pages as P
 from labkit.course.site.render import SiteWriter
@@ -31,12 +32,6 @@ from labkit.errors import ConfigError, LabkitError, NotebookError, choices_error
 
 #: File at the top of a built site: a re-build only ever replaces a folder that has it.
 STAMP = ".labkit-site"
-
-
-def repo_root() -> Path:
-    import labkit
-
-    return Path(labkit.__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -254,7 +249,7 @@ def build_site(out: str | Path = "build/site", *, execute: tuple[str, ...] | Non
     folder (default build/site-src)."""
     from labkit.course.exercises.release import make_release
 
-    root = repo_root()
+    root = source_tree()
     cfg = P.load_config(root / "site" / "site.yml", repository)
     out = Path(out).resolve()
     labs_found = sorted(p.stem for p in (root / "notebooks").glob("*.ipynb"))

@@ -1,31 +1,44 @@
-"""Hidden tests of notebook 02_single_gpu (run by `labkit grade`; students see only pass/fail per test)."""
-from labkit.course.exercises import case
+"""Hidden tests of notebook 02_single_gpu (run by `labkit grade`; students see only pass/fail per test and VARIES).
 
-#: LEGACY: these exercises' tests still run in the student's process; port them to `student.call /
-#: run / spawn` (docs/grading.md, "Porting a legacy exercise") and remove their names here.
-LEGACY = {"amp_accum_step", "checkpointed_block"}
+Expected values come from plain fp32 steps computed here, in the grader's process (`reference`)."""
+from labkit.course.exercises import Tensor, case, reference
 
+#: What the hidden tests vary, per exercise: `ex.check` and `labkit check` show this line, nothing else.
+VARIES = {
+    "amp_accum_step": "another model, batch size and accum count, fp16 with another scale, and AdamW over two steps",
+    "checkpointed_block": "a convolutional residual block with batch norm (torchvision's Bottleneck)",
+}
+
+#: Classic mistakes. (fragment, replacement, fix): a VISIBLE test must fail with `fix` in its message;
+#: (fragment, replacement): any test may catch it (tests/test_exercises_ci.py checks both).
 MUTANTS = {
     "amp_accum_step": [
-        ("loss = F.cross_entropy(logits.float(), y) / accum", "loss = F.cross_entropy(logits.float(), y)"),
-        ("scaler.scale(loss).backward()", "loss.backward()"),
-        ("scaler.step(optimizer)  #", "optimizer.step()  #"),
-        ("    scaler.update()", "    pass"),
-        ("optimizer.zero_grad(set_to_none=True)", "pass"),
+        ("loss = F.cross_entropy(logits.float(), y) / accum", "loss = F.cross_entropy(logits.float(), y)",
+         "divide each micro-batch loss by accum"),
+        ("scaler.scale(loss).backward()", "loss.backward()", "backward through scaler.scale(loss)"),
+        ("scaler.step(optimizer)  #", "optimizer.step()  #", "step with scaler.step(optimizer)"),
+        ("    scaler.update()", "    pass", "call scaler.update()"),
+        ("optimizer.zero_grad(set_to_none=True)", "pass", "zero the gradients first"),
         ("cast = torch.autocast(x.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()",
-         "cast = contextlib.nullcontext()"),
+         "cast = contextlib.nullcontext()", "run each forward under torch.autocast"),
+        ("total = total + loss.detach().cpu()", "total = loss.detach().cpu()", "the sum of the micro-batch losses"),
+        ("for x, y in zip(inputs.chunk(accum), targets.chunk(accum)):",
+         "for x, y in zip(inputs.chunk(accum)[:1], targets.chunk(accum)[:1]):"),
     ],
     "checkpointed_block": [
-        ("return checkpoint(block, x, use_reentrant=False)", "return block(x)"),
-        ("return checkpoint(block, x, use_reentrant=False)", "return checkpoint(block, x, use_reentrant=True)"),
+        ("return checkpoint(block, x, use_reentrant=False)", "return block(x)", "torch.utils.checkpoint.checkpoint"),
+        ("return checkpoint(block, x, use_reentrant=False)", "return checkpoint(block, x, use_reentrant=True)",
+         "use use_reentrant=False"),
+        ("return checkpoint(block, x, use_reentrant=False)", "return checkpoint(block, x.detach(), use_reentrant=False)",
+         "not x.detach()"),
     ],
 }
 
 
-def _mlp(seed=0):
+def _mlp():
     import torch
 
-    torch.manual_seed(seed)
+    torch.manual_seed(5)
     return torch.nn.Sequential(torch.nn.Linear(6, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3))
 
 
@@ -36,117 +49,114 @@ def _data(n, seed):
     return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
-def _reference(x, y, lr):
+def _weights(model):
+    import torch
+
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+
+
+def _full_batch(n, seed, optimizer, steps, lr):
+    """REFERENCE (grader's process): `steps` plain fp32 steps on the whole batch; losses and final weights."""
     import torch
     import torch.nn.functional as F
 
     model = _mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    return model, float(loss)
-
-
-def _diff(a, b):
-    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
-
-
-@case("amp_accum_step", points=2)
-def fp16_with_a_scaler_unscales_before_the_step(amp_accum_step):
-    import torch
-
-    x, y = _data(12, 3)
-    ref, _ = _reference(x, y, lr=0.5)
-    model = _mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
-    amp_accum_step(model, x, y, opt, scaler, 3, torch.float16)
-    assert _diff(model, ref) < 5e-3
-    assert all(p.dtype == torch.float32 for p in model.parameters())
-
-
-@case("amp_accum_step", points=2)
-def an_overflow_skips_the_step_and_halves_the_scale(amp_accum_step):
-    import torch
-
-    x, y = _data(8, 4)
-    model = _mlp()
-    before = [p.detach().clone() for p in model.parameters()]
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
-    amp_accum_step(model, x * 1e6, y, opt, scaler, 2, torch.float16)  # fp16 overflows: inf gradients
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "step not skipped"
-    assert scaler.get_scale() == 2.0 ** 15, "scale not halved"
-
-
-@case("amp_accum_step", points=1)
-def stale_gradients_are_cleared_and_a_second_step_matches(amp_accum_step):
-    import torch
-    import torch.nn.functional as F
-
-    x, y = _data(8, 5)
-    ref = _mlp()
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    want = []
-    for _ in range(2):
-        ropt.zero_grad()
-        loss = F.cross_entropy(ref(x), y)
+    opt = getattr(torch.optim, optimizer)(model.parameters(), lr=lr)
+    x, y = _data(n, seed)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
         loss.backward()
-        ropt.step()
-        want.append(float(loss))
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "weights": _weights(model)}
+
+
+def _harness(amp_accum_step, n, seed, optimizer, steps, lr, accum, dtype_name, init_scale):
+    import torch
+
     model = _mlp()
+    opt = getattr(torch.optim, optimizer)(model.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale or 1.0, enabled=init_scale is not None)
     for p in model.parameters():
-        p.grad = torch.full_like(p, 3.0)  # left over from an earlier step
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    got = [float(amp_accum_step(model, x, y, opt, scaler, 2, None)) for _ in range(2)]
-    assert all(abs(g - w) < 1e-5 for g, w in zip(got, want)), (got, want)
-    assert _diff(model, ref) < 1e-5
+        p.grad = torch.full_like(p, -2.0)  # stale
+    x, y = _data(n, seed)
+    dtype = getattr(torch, dtype_name) if dtype_name else None
+    losses = [float(amp_accum_step(model, x, y, opt, scaler, accum, dtype)) for _ in range(steps)]
+    return {"losses": losses, "weights": _weights(model)}
+
+
+RESULT = {"losses": [float], "weights": Tensor("float32")}
+
+
+@case("amp_accum_step", points=2)
+def fp16_accum_3_of_12_with_another_scale(student):
+    import torch
+
+    want = reference(_full_batch, 12, 3, "SGD", 1, 0.5)
+    got = student.run(_harness, 12, 3, "SGD", 1, 0.5, 3, "float16", 2.0 ** 9, returns=RESULT)
+    assert abs(got["losses"][0] - want["losses"][0]) < 1e-2, (got["losses"], want["losses"])
+    assert torch.allclose(got["weights"], want["weights"], atol=5e-3), float((got["weights"] - want["weights"]).abs().max())
 
 
 @case("amp_accum_step", points=1)
-def autocast_really_runs_the_matmuls_in_bf16(amp_accum_step):
+def adamw_over_two_steps_with_accum_5(student):
     import torch
 
-    seen = []
-    model = _mlp()
-    model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-    x, y = _data(4, 6)
-    amp_accum_step(model, x, y, torch.optim.SGD(model.parameters(), lr=0.1),
-                   torch.amp.GradScaler("cpu", enabled=False), 2, torch.bfloat16)
-    assert seen == [torch.bfloat16, torch.bfloat16], seen
+    want = reference(_full_batch, 10, 4, "AdamW", 2, 1e-2)
+    got = student.run(_harness, 10, 4, "AdamW", 2, 1e-2, 5, None, None, returns=RESULT)
+    assert all(abs(g - w) < 1e-5 for g, w in zip(got["losses"], want["losses"])), (got["losses"], want["losses"])
+    assert torch.allclose(got["weights"], want["weights"], atol=1e-5), float((got["weights"] - want["weights"]).abs().max())
 
 
-def _conv_block(seed=0):
+def _conv_block():
     import torch
     from torchvision.models.resnet import Bottleneck
 
-    torch.manual_seed(seed)
+    torch.manual_seed(4)
     return Bottleneck(32, 8)
 
 
-@case("checkpointed_block", points=2)
-def an_input_without_grad_still_gives_weight_gradients(checkpointed_block):
+def _conv_input(requires_grad):
     import torch
 
+    return torch.randn(2, 32, 8, 8, generator=torch.Generator().manual_seed(6)).requires_grad_(requires_grad)
+
+
+def _conv_plain(requires_grad):
+    """REFERENCE (grader's process): the plain Bottleneck's weight gradients."""
     block = _conv_block()
-    x = torch.randn(2, 32, 8, 8)  # e.g. the output of a frozen stem: no requires_grad
-    block(x).sum().backward()
-    want = [p.grad.clone() for p in block.parameters()]
-    block.zero_grad()
-    checkpointed_block(block, x).sum().backward()
-    assert all(p.grad is not None and torch.allclose(p.grad, w, atol=1e-4)
-               for p, w in zip(block.parameters(), want))
+    block(_conv_input(requires_grad)).sum().backward()
+    return {name: p.grad.clone() for name, p in block.named_parameters()}
+
+
+def _conv_harness(checkpointed_block, requires_grad):
+    from labkit.memory.sqrt_checkpointing import saved_bytes
+
+    block, x = _conv_block(), _conv_input(requires_grad)
+    out, kept = saved_bytes(checkpointed_block, block, x)
+    grads = {}
+    if out.requires_grad:
+        out.sum().backward()
+        grads = {name: p.grad for name, p in block.named_parameters() if p.grad is not None}
+    return {"grads": grads, "kept": kept}
+
+
+CONV = {"grads": {str: Tensor("float32")}, "kept": int}
+
+
+@case("checkpointed_block", points=2)
+def a_bottleneck_with_an_input_without_grad(student):
+    import torch
+
+    want = reference(_conv_plain, False)
+    got = student.run(_conv_harness, False, returns=CONV)["grads"]
+    assert set(got) == set(want), sorted(set(want) - set(got))
+    assert all(torch.allclose(got[k], want[k], atol=1e-4) for k in want)
 
 
 @case("checkpointed_block", points=1)
-def a_residual_block_keeps_only_its_input(checkpointed_block):
-    import torch
-
-    from labkit.memory.sqrt_checkpointing import saved_bytes
-
-    block = _conv_block(1)
-    x = torch.randn(4, 32, 8, 8, requires_grad=True)
-    _, kept = saved_bytes(checkpointed_block, block, x)
-    assert kept <= x.numel() * x.element_size()
+def a_bottleneck_keeps_only_its_input(student):
+    got = student.run(_conv_harness, True, returns=CONV)
+    assert got["kept"] <= 2 * 32 * 8 * 8 * 4, got["kept"]

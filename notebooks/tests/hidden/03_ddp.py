@@ -1,126 +1,186 @@
-"""Hidden tests of notebook 03_ddp (run by `labkit grade`; students see only pass/fail per test)."""
-from labkit.course.exercises import case, spawn
+"""Hidden tests of notebook 03_ddp (run by `labkit grade`; students see only pass/fail per test and VARIES).
 
-#: LEGACY: these exercises' tests still run in the student's process; port them to `student.call /
-#: run / spawn` (docs/grading.md, "Porting a legacy exercise") and remove their names here.
-LEGACY = {"average_gradients", "overlap_gradient_averaging", "ring_allreduce"}
+Expected values are computed here, in the grader's process (`reference`): the mean or the sum of what each
+rank's data gives, never where the student's code runs."""
+from labkit.course.exercises import Tensor, case, reference
 
+#: What the hidden tests vary, per exercise: `ex.check` and `labkit check` show this line, nothing else.
+VARIES = {
+    "average_gradients": "frozen parameters (no .grad), another model and 2 ranks",
+    "overlap_gradient_averaging": "a process group of 2 of 3 ranks, frozen parameters, 1-byte and 1 GiB buckets "
+                                  "(how many all-reduces start during backward)",
+    "ring_allreduce": "float64 tensors, a process group whose ranks are not 0..N-1, short tensors, and "
+                      "the bytes each rank sends",
+}
+
+#: Classic mistakes. (fragment, replacement, fix): a VISIBLE test must fail with `fix` in its message;
+#: (fragment, replacement): any test may catch it (tests/test_exercises_ci.py checks both).
 MUTANTS = {
     "average_gradients": [
-        ("            p.grad /= world", "            pass"),
-        ("dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)", "dist.broadcast(p.grad, src=0, group=group)"),
+        ("            p.grad /= world", "            pass", "divide by the group size"),
+        ("dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)", "dist.broadcast(p.grad, src=0, group=group)",
+         "all-reduce (sum) every .grad"),
+        ("op=dist.ReduceOp.SUM, group=group)", "op=dist.ReduceOp.SUM)", "pass group=group to every collective"),
+        ("world = dist.get_world_size(group)", "world = dist.get_world_size()", "dist.get_world_size(group)"),
+        ("if p.grad is not None:", "if True:"),
     ],
     "overlap_gradient_averaging": [
-        ("            flat /= world", "            pass"),
+        ("            flat /= world", "            pass", "divide by the group size"),
         ("        if sum(p.grad.numel() * p.grad.element_size() for p in bucket) >= bucket_bytes:",
-         "        if False:"),
-        ("        launch()  # the last, partial bucket", "        pass"),
+         "        if False:", "from the hook as soon as it holds >= bucket_bytes"),
+        ("        launch()  # the last, partial bucket", "        pass", "launch the last, partial bucket"),
+        ("                p.grad.copy_(part.view_as(p.grad))", "                pass",
+         "copy the averaged values back into each .grad"),
+        ("dist.all_reduce(flat, group=group, async_op=True)", "dist.all_reduce(flat, async_op=True)"),
+        ("        if p.requires_grad:", "        if True:"),
     ],
     "ring_allreduce": [
-        ("        chunks[recv_i] += exchange(send_i, recv_i)", "        chunks[recv_i].copy_(exchange(send_i, recv_i))"),
-        ("    for step in range(world - 1):  # all-gather", "    for step in range(0):  # all-gather"),
         ("send_i, recv_i = (rank - step) % world, (rank - step - 1) % world",
-         "send_i, recv_i = (rank + step) % world, (rank + step - 1) % world"),
+         "send_i, recv_i = (rank + step) % world, (rank + step - 1) % world",
+         "the chunk index walks the wrong way around the ring"),
+        ("        chunks[recv_i] += exchange(send_i, recv_i)", "        chunks[recv_i].copy_(exchange(send_i, recv_i))",
+         "add the received chunk into your own copy"),
+        ("    for step in range(world - 1):  # all-gather", "    for step in range(0):  # all-gather",
+         "run the all-gather"),
+        ("    return tensor\n    # END SOLUTION", "    return None\n    # END SOLUTION", "return the summed tensor"),
+        ("torch.tensor_split(tensor.view(-1), world)", "torch.chunk(tensor.view(-1), world)"),
+        ("right, left = peers[(rank + 1) % world], peers[(rank - 1) % world]",
+         "right, left = (rank + 1) % world, (rank - 1) % world"),
     ],
 }
 
 
-def _mlp(seed=3):
+def _mlp(frozen: bool):
     import torch
 
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 48), torch.nn.Tanh(), torch.nn.Linear(48, 48), torch.nn.Tanh(),
-                               torch.nn.Linear(48, 3))
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 24), torch.nn.ReLU(), torch.nn.Linear(24, 24), torch.nn.ReLU(),
+                                torch.nn.Linear(24, 2))
+    if frozen:
+        model[0].requires_grad_(False)
+    return model
 
 
-def _grads_beside_ddp(rank, world, sync, mode, bucket_bytes):
-    """One backward on a subgroup-free world: (max grad difference to DDP, all_reduce calls made before finish)."""
+def _backward(model, rank):
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel
 
-    group = dist.new_group(list(range(world)))  # an explicit group: the student must pass it on
-    g = torch.Generator().manual_seed(11 + rank)
-    x, y = torch.randn(6, 5, generator=g), torch.randint(0, 3, (6,), generator=g)
-    ddp, mine = DistributedDataParallel(_mlp(), process_group=group), _mlp()
-    F.cross_entropy(ddp(x), y).backward()
-    calls = []
-    real = dist.all_reduce
+    g = torch.Generator().manual_seed(31 + rank)
+    F.cross_entropy(model(torch.randn(5, 7, generator=g)), torch.randint(0, 2, (5,), generator=g)).backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _mean_grads(ranks):
+    """DDP's gradient over `ranks` (grader's process): the mean of each rank's own gradient."""
+    local = [_backward(_mlp(True), r) for r in ranks]
+    return {k: sum(g[k] for g in local) / len(ranks) for k in local[0]}
+
+
+def _same(got: dict, want: dict) -> bool:
+    import torch
+
+    return set(got) == set(want) and all(torch.allclose(got[k], want[k], rtol=1e-5, atol=1e-6) for k in want)
+
+
+GRADS = {str: Tensor("float32")}
+
+
+def _frozen_harness(rank, world, average_gradients):
+    model = _mlp(True)
+    _backward(model, rank)
+    average_gradients(model)
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+@case("average_gradients", points=2)
+def frozen_parameters_on_2_ranks(student):
+    want = reference(_mean_grads, [0, 1])
+    for rank, got in enumerate(student.spawn(_frozen_harness, world=2, returns=GRADS)):
+        assert _same(got, want), f"rank {rank}: {sorted(got)} vs {sorted(want)}"
+
+
+def _overlap_harness(rank, world, overlap_gradient_averaging):
+    """A group of ranks 0 and 1 (rank 2 alone) with 1-byte buckets, then the world with one 1 GiB bucket."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2])]
+    calls, real = [], dist.all_reduce
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    finish = sync(mine, group, bucket_bytes) if mode == "overlap" else None
-    dist.all_reduce = counting
-    try:
-        F.cross_entropy(mine(x), y).backward()
-        before_finish = len(calls)
-        sync(mine, group) if mode == "after" else finish()
-    finally:
-        dist.all_reduce = real
-    diff = max(float((p.grad - q.grad).abs().max()) for p, q in zip(ddp.module.parameters(), mine.parameters()))
-    return diff, before_finish, len(calls)
-
-
-@case("average_gradients", points=2)
-def an_explicit_group_and_different_data_per_rank(average_gradients):
-    for diff, _, _ in spawn(_grads_beside_ddp, world=2, args=(average_gradients, "after", 0), timeout=180):
-        assert diff < 1e-6, diff
+    out = []
+    for group, bucket in ((groups[0] if rank < 2 else groups[1], 1), (None, 2**30)):
+        model = _mlp(True)
+        finish = overlap_gradient_averaging(model, group, bucket)
+        dist.all_reduce = counting
+        calls.clear()
+        try:
+            _backward(model, rank)
+            during = len(calls)
+            finish()
+        finally:
+            dist.all_reduce = real
+        out.append({"grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                    "during": during, "total": len(calls)})
+    return out
 
 
 @case("overlap_gradient_averaging", points=2)
-def all_reduces_start_during_backward(overlap_gradient_averaging):
-    for diff, before, total in spawn(_grads_beside_ddp, world=2, args=(overlap_gradient_averaging, "overlap", 1),
-                                     timeout=180):
-        assert diff < 1e-6, diff
-        assert before >= 5, f"{before} all-reduces launched during backward"  # one per 1-byte bucket: 6 tensors
+def a_subgroup_one_byte_and_one_gib_buckets(student):
+    runs = student.spawn(_overlap_harness, world=3, returns=[{"grads": GRADS, "during": int, "total": int}])
+    for rank, (small, big) in enumerate(runs):
+        members = [0, 1] if rank < 2 else [2]
+        assert _same(small["grads"], reference(_mean_grads, members)), f"rank {rank}: subgroup gradients"
+        assert small["during"] >= 4, f"rank {rank}: {small['during']} all-reduces during backward, 1-byte buckets"
+        assert _same(big["grads"], reference(_mean_grads, [0, 1, 2])), f"rank {rank}: 1 GiB bucket gradients"
+        assert (big["during"], big["total"]) == (0, 1), (rank, big["during"], big["total"])
 
 
-@case("overlap_gradient_averaging", points=1)
-def one_big_bucket_is_one_all_reduce(overlap_gradient_averaging):
-    for diff, before, total in spawn(_grads_beside_ddp, world=2, args=(overlap_gradient_averaging, "overlap", 2**30),
-                                     timeout=180):
-        assert diff < 1e-6, diff
-        assert before == 0 and total == 1, (before, total)
-
-
-def _ring_check(rank, world, ring_allreduce, n):
+def _random(rank, n):
     import torch
+
+    return torch.randn(n, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+
+
+def _ring_harness(rank, world, ring_allreduce):
+    """World of 3: float64 of 3000 (bytes sent counted), float64 of 4 (chunks of 2, 1 and 1); then a group of ranks 1 and 2."""
     import torch.distributed as dist
 
-    sent = []
-    real_isend, real_send = dist.isend, dist.send
+    sent, real = [], dist.isend
 
     def isend(tensor, *args, **kwargs):
         sent.append(tensor.numel() * tensor.element_size())
-        return real_isend(tensor, *args, **kwargs)
+        return real(tensor, *args, **kwargs)
 
-    def send(tensor, *args, **kwargs):
-        sent.append(tensor.numel() * tensor.element_size())
-        return real_send(tensor, *args, **kwargs)
-
-    g = torch.Generator().manual_seed(rank)
-    t = torch.randn(n, generator=g, dtype=torch.float64)
-    want = t.clone()
-    dist.all_reduce(want)
-    dist.isend, dist.send = isend, send
+    big, small, pair = _random(rank, 3000), _random(rank, 4), _random(rank, 5)
+    dist.isend = isend
     try:
-        ring_allreduce(t)
+        ring_allreduce(big)
     finally:
-        dist.isend, dist.send = real_isend, real_send
-    return float((t - want).abs().max()), sum(sent), t.numel() * t.element_size()
+        dist.isend = real
+    ring_allreduce(small)
+    group = dist.new_group([1, 2])
+    if rank > 0:
+        ring_allreduce(pair, group)
+    return {"big": big, "sent": sum(sent), "small": small, "pair": pair}
+
+
+def _sums(ranks, n):
+    return sum(_random(r, n) for r in ranks)
 
 
 @case("ring_allreduce", points=2)
-def three_ranks_and_a_length_that_does_not_divide(ring_allreduce):
-    for err, _, _ in spawn(_ring_check, world=3, args=(ring_allreduce, 17), timeout=180):
-        assert err < 1e-9, err
+def float64_a_group_a_short_tensor_and_the_bytes_sent(student):
+    import torch
 
-
-@case("ring_allreduce", points=1)
-def each_rank_sends_2_n_minus_1_over_n_of_the_tensor(ring_allreduce):
-    for err, sent, size in spawn(_ring_check, world=2, args=(ring_allreduce, 4096), timeout=180):
-        assert err < 1e-9, err
-        assert sent == size, (sent, size)  # 2 (N-1)/N x S = S for N = 2
+    out = student.spawn(_ring_harness, world=3, returns={"big": Tensor("float64", (3000,)), "sent": int,
+                                                         "small": Tensor("float64", (4,)),
+                                                         "pair": Tensor("float64", (5,))})
+    for rank, got in enumerate(out):
+        assert torch.allclose(got["big"], reference(_sums, [0, 1, 2], 3000), atol=1e-12), f"rank {rank}: 3000"
+        assert torch.allclose(got["small"], reference(_sums, [0, 1, 2], 4), atol=1e-12), f"rank {rank}: 4"
+        assert got["sent"] == 2 * 2 * 1000 * 8, f"rank {rank} sent {got['sent']} B, 2 (N-1)/N x 24000 = 32000"
+        if rank > 0:
+            assert torch.allclose(got["pair"], reference(_sums, [1, 2], 5), atol=1e-12), f"rank {rank}: group [1, 2]"

@@ -1,74 +1,144 @@
-"""Hidden tests of notebook 04's exercises: mixed precision reaches every unit, other shapes, weight decay."""
-from labkit.course.exercises import case, spawn
+"""Hidden tests of notebook 04_fsdp (run by `labkit grade`; students see only pass/fail per test and VARIES).
 
-#: LEGACY: these exercises' tests still run in the student's process; port them to `student.call /
-#: run / spawn` (docs/grading.md, "Porting a legacy exercise") and remove their names here.
-LEGACY = {"shard_model", "zero1_step"}
+Expected values are computed here, in the grader's process (`reference`), on unsharded models."""
+from labkit.course.exercises import Tensor, case, reference
+from labkit.course.exercises.cases import visible_twin
 
+visible = visible_twin(__labkit_test_file__)  # noqa: F821 - set by the test loader
+
+#: What the hidden tests vary, per exercise: `ex.check` and `labkit check` show this line, nothing else.
+VARIES = {
+    "shard_model": "3 ranks and a model of 3 blocks",
+    "zero1_step": "a process group of 2 of 3 ranks, more steps and another weight decay",
+}
+
+#: Classic mistakes. (fragment, replacement, fix): a VISIBLE test must fail with `fix` in its message;
+#: (fragment, replacement): any test may catch it (tests/test_exercises_ci.py checks both).
 MUTANTS = {
     "shard_model": [
-        ("fully_shard(block, mesh=mesh, mp_policy=mp_policy)", "block"),  # no per-block units
-        ("fully_shard(block, mesh=mesh, mp_policy=mp_policy)", "fully_shard(block, mesh=mesh)"),
-        ("fully_shard(model, mesh=mesh, mp_policy=mp_policy)", "fully_shard(model, mesh=mesh)"),
+        ("fully_shard(block, mesh=mesh, mp_policy=mp_policy)", "block", "fully_shard each block"),
+        ("fully_shard(block, mesh=mesh, mp_policy=mp_policy)", "fully_shard(block, mesh=mesh)",
+         "to the fully_shard of every block"),
+        ("fully_shard(model, mesh=mesh, mp_policy=mp_policy)", "fully_shard(model, mesh=mesh)",
+         "to the root's fully_shard too"),
+        ("    fully_shard(model, mesh=mesh, mp_policy=mp_policy)  # ... then the root", "    pass",
+         "call fully_shard on the root too"),
     ],
     "zero1_step": [
-        ("lo, hi = rank * size, (rank + 1) * size", "lo, hi = 0, size"),
-        ("dist.all_reduce(grads, group=group)", "grads"),
-        ("lr=lr, weight_decay=weight_decay)", "lr=lr)"),
+        ("lo, hi = rank * size, (rank + 1) * size", "lo, hi = 0, size", "each rank steps its own slice"),
+        ("dist.all_reduce(grads, group=group)", "grads", "average the flat gradients over the group"),
+        ("lr=lr, weight_decay=weight_decay)", "lr=lr)", "pass weight_decay=weight_decay to AdamW"),
+        ('state["slice"].grad = grads[lo:hi] / world', 'state["slice"].grad = grads[lo:hi]',
+         "divide by the group size"),
+        ('        state["adamw"] = torch.optim.AdamW(', '        state["full"] = flat\n        state["adamw"] = torch.optim.AdamW(',
+         "keep only this rank's slice"),
+        ("dist.all_reduce(grads, group=group)", "dist.all_reduce(grads)"),
+        ("world, rank = dist.get_world_size(group), dist.get_rank(group)", "world, rank = dist.get_world_size(), dist.get_rank()"),
     ],
 }
 
 
-def _three_block_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    import torch
-
-    torch.manual_seed(1)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+_llama, _llama_tokens = visible._llama, visible._tokens  # shipped by value with the harness below
 
 
-def _bf16_rank(rank, world, shard_model):
-    import torch
+def _three_blocks():
+    return _llama(blocks=3, width=48, vocab=96, seed=1)
+
+
+def _tokens(rank):
+    return _llama_tokens(rank, vocab=96, length=7, seed=7)
+
+
+def _grads(world):
+    """REFERENCE: the mean over the ranks of each rank's gradient on the unsharded model."""
+    local = []
+    for rank in range(world):
+        model = _three_blocks()
+        model(_tokens(rank), labels=_tokens(rank)).loss.backward()
+        local.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    return {k: sum(g[k] for g in local) / world for k in local[0]}
+
+
+def _fsdp_harness(rank, world, shard_model):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
-    from torch.distributed.tensor import DTensor
 
-    mesh = init_device_mesh("cpu", (world,))
-    model = shard_model(_three_block_llama(), mesh,
-                        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-    seen = {}
-
-    def probe(name):
-        def hook(module, args, output):
-            seen[name] = str(module.weight.dtype)
-        return hook
-
-    for i, block in enumerate(model.model.layers):
-        block.self_attn.q_proj.register_forward_hook(probe(f"layers.{i}.q_proj"))
-    model.lm_head.register_forward_hook(probe("lm_head"))
-    tokens = torch.arange(2 * 9).reshape(2, 9) % 96
-    model(tokens).logits.float().mean().backward()
-    return {"compute": seen,
-            "masters": sorted({str(p.dtype) for p in model.parameters()}),
-            "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
-            "units": [isinstance(b, FSDPModule) for b in model.model.layers] + [isinstance(model, FSDPModule)]}
+    model = shard_model(_three_blocks(), init_device_mesh("cpu", (world,)), MixedPrecisionPolicy())
+    model(_tokens(rank), labels=_tokens(rank)).loss.backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return {"grads": grads, "units": [isinstance(b, FSDPModule) for b in model.model.layers] + [isinstance(model, FSDPModule)]}
 
 
 @case("shard_model", points=2)
-def bf16_policy_on_every_unit_masters_fp32(shard_model):
-    out = spawn(_bf16_rank, world=2, args=(shard_model,), timeout=180)[0]
-    assert all(out["units"]), f"FSDP units (3 blocks, root): {out['units']}"
-    assert out["all_dtensor"], "some parameters are not sharded"
-    assert out["masters"] == ["torch.float32"], f"sharded master weights must stay fp32: {out['masters']}"
-    wrong = {k: v for k, v in out["compute"].items() if v != "torch.bfloat16"}
-    assert not wrong, f"these layers computed with non-bf16 weights under a bf16 policy: {wrong}"
+def three_ranks_three_blocks(student):
+    import torch
+
+    want = reference(_grads, 3)
+    for rank, out in enumerate(student.spawn(_fsdp_harness, world=3, timeout=180, imports=visible.LLAMA,
+                                             returns={"grads": {str: Tensor("float32")}, "units": [bool]})):
+        assert out["units"] == [True] * 4, (rank, out["units"])
+        assert set(out["grads"]) == set(want), rank
+        assert all(torch.allclose(out["grads"][k], want[k], rtol=1e-4, atol=1e-6) for k in want), rank
+
+
+def _net():
+    import torch
+
+    torch.manual_seed(2)
+    return torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.ReLU(), torch.nn.Linear(9, 5))  # 113 parameters
+
+
+def _batch(rank, step):
+    import torch
+
+    g = torch.Generator().manual_seed(50 + 10 * rank + step)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 5, generator=g)
+
+
+def _adamw(groups, steps, weight_decay):
+    """REFERENCE: per rank, AdamW on the gradient averaged over its group; the final flat weights."""
+    import torch
+    import torch.nn.functional as F
+
+    out = {}
+    for members in groups:
+        model = _net()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.03, weight_decay=weight_decay)
+        for step in range(steps):
+            local = []
+            for r in members:
+                model.zero_grad()
+                F.mse_loss(model(_batch(r, step)[0]), _batch(r, step)[1]).backward()
+                local.append([p.grad.clone() for p in model.parameters()])
+            for i, p in enumerate(model.parameters()):
+                p.grad = sum(g[i] for g in local) / len(members)
+            opt.step()
+        for r in members:
+            out[r] = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    return [out[r] for r in sorted(out)]
+
+
+def _zero1_harness(rank, world, zero1_step, steps, weight_decay):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2])]
+    model, state = _net(), {}
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        F.mse_loss(model(x), y).backward()
+        zero1_step(list(model.parameters()), state, lr=0.03, weight_decay=weight_decay,
+                   group=groups[0] if rank < 2 else groups[1])
+        model.zero_grad(set_to_none=True)
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach()
 
 
 @case("zero1_step", points=2)
-def weight_decay_and_more_steps(zero1_step):
-    from labkit.course.exercises.handmade import zero1_vs_adamw
+def a_group_of_2_of_3_ranks_over_5_steps(student):
+    import torch
 
-    for rank, out in enumerate(spawn(zero1_vs_adamw, world=2, args=(zero1_step, 5, 0.1), timeout=120)):
-        err = float((out["sharded"] - out["ref"]).abs().max())
-        assert err < 1e-5, f"rank {rank}: 5 steps with weight decay 0.1 differ from AdamW by {err:.2e}"
+    want = reference(_adamw, [[0, 1], [2]], 5, 0.3)
+    got = student.spawn(_zero1_harness, world=3, args=(5, 0.3), returns=Tensor("float32", (113,)))
+    for rank, (mine, ref) in enumerate(zip(got, want)):
+        assert torch.allclose(mine, ref, atol=1e-5), (rank, float((mine - ref).abs().max()))
