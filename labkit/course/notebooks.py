@@ -9,15 +9,15 @@ tests/test_notebooks.py. Introduced in notebook 00_setup.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from labkit.errors import ConfigError, NotebookError
+from labkit.launch import environ
 from labkit.profiles import get_profile
 
 KERNEL = "labkit"
@@ -142,22 +142,6 @@ def find_notebooks(names: Sequence[str] | None = None, notebook_dir: str | os.Pa
 
 
 # ---------------------------------------------------------------- running
-@contextlib.contextmanager
-def environ(**values: str) -> Iterator[None]:
-    """Set environment variables (for the kernel papermill starts: it inherits ours; for a rehearsal's
-    in-process rank), then restore them."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
-
-
 def _tags(cell) -> list[str]:
     return list(cell.get("metadata", {}).get("tags", []))
 
