@@ -76,12 +76,13 @@ _ESTIMATOR_PRECISION = {"float32": ("fp32", "fp32"), "bfloat16": ("mixed-bf16", 
 
 
 def scenario_cap_gb(profile, model: str) -> float:
-    """Notebook 06's cap: 24 GB on a GPU profile. On CPU the same story scaled to `model`: the geometric
-    mean of the estimates (labkit.memory) of a full fine-tune and of LoRA (r=8 on q,v) at the profile's
-    batch, so the full fine-tune runs out of memory and LoRA fits, with margin on both sides."""
+    """Notebook 06's cap: 24 GB on a GPU profile, or the GPU's own memory where that is smaller (a 16 GB
+    T4: a 24 GB cap there would read as if the card had 24). On CPU the same story scaled to `model`: the
+    geometric mean of the estimates (labkit.memory) of a full fine-tune and of LoRA (r=8 on q,v) at the
+    profile's batch, so the full fine-tune runs out of memory and LoRA fits, with margin on both sides."""
     if profile.device == "cuda":
         from labkit.memory.report import GPU_CAPACITIES
-        return GPU_CAPACITIES[SCENARIO_GPU] / GB
+        return min(GPU_CAPACITIES[SCENARIO_GPU], profile.gpu_memory_gb * GB) / GB
     from labkit.memory.estimate import MemoryConfig, estimate
 
     full_precision, frozen_precision = _ESTIMATOR_PRECISION[profile.dtype]
