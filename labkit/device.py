@@ -313,28 +313,27 @@ def grad_scaler(device: torch.device) -> "torch.amp.GradScaler":
 
 
 # ------------------------------------------------------------------------------------ the allocator
+def _cuda_only(event: str, device: torch.device | str, call) -> None:
+    """`call()` on a CUDA device; in a rehearsal record `event` for the GPU the CPU stands in for."""
+    if standing_in() and is_gpu(device):
+        record(event, device=logical(device))
+    elif torch.device(device).type == "cuda":
+        call()
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait for the GPU's queued work (CUDA is asynchronous); nothing on CPU."""
-    if standing_in() and is_gpu(device):
-        record("synchronize", device=logical(device))
-    elif torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+    _cuda_only("synchronize", device, lambda: torch.cuda.synchronize(device))
 
 
 def empty_cache(device: torch.device | str) -> None:
     """Hand the caching allocator's free blocks back to the driver."""
-    if standing_in() and is_gpu(device):
-        record("empty_cache", device=logical(device))
-    elif torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
+    _cuda_only("empty_cache", device, torch.cuda.empty_cache)
 
 
 def reset_peak(device: torch.device | str) -> None:
     """Restart `max_memory_allocated` from the current allocation."""
-    if standing_in() and is_gpu(device):
-        record("reset_peak_memory_stats", device=logical(device))
-    elif torch.device(device).type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    _cuda_only("reset_peak_memory_stats", device, lambda: torch.cuda.reset_peak_memory_stats(device))
 
 
 def max_memory_allocated(device: torch.device | str) -> int:
