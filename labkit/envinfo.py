@@ -15,7 +15,7 @@ import sys
 from importlib import metadata
 from typing import Any
 
-from labkit import cudadriver, lockfile
+from labkit import cudadriver, hosted, lockfile
 from labkit.errors import HardwareError
 from labkit.profiles import PROFILES, Profile, get_profile
 
@@ -95,7 +95,7 @@ def collect() -> dict[str, Any]:
     facts: dict[str, Any] = {
         "python": {"version": platform.python_version(), "executable": sys.executable},
         "packages": package_versions(), "torch": torch_facts(), "host": host_facts(),
-        "driver": driver_facts(), "lock": lockfile.status(),
+        "driver": driver_facts(), "lock": lockfile.status(), "platform": hosted.platform_name(),
     }
     facts["profiles"] = profile_support(facts)
     facts["fixes"] = fixes(facts)
@@ -243,6 +243,9 @@ def format_report(facts: dict[str, Any]) -> str:
     if torch.get("installed"):
         lines.append(f"cuda build   {torch['cuda_build'] or 'none (CPU-only torch)'}; NCCL {torch['nccl'] or '-'}; "
                      f"gloo {'yes' if torch['gloo'] else 'no'}")
+    if facts.get("platform"):  # Colab / Kaggle / none (labkit.hosted), with the profile to run there
+        profile = next((p for name, _var, p in hosted.PLATFORMS.values() if name == facts["platform"]), None)
+        lines.append(f"platform     {facts['platform']}" + (f": use --profile {profile}" if profile else ""))
     lines.append(f"cpu          {host['cpu_cores']} cores, {host['ram_gb']:g} GB RAM ({host['platform']})")
     if torch.get("devices"):
         for d in torch["devices"]:

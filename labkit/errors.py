@@ -27,6 +27,14 @@ class HardwareError(ConfigError):
         return [f"HardwareError: {self}"]
 
 
+class NeedsMoreGPUs(HardwareError):
+    """A lab needs more GPUs than the profile has (Colab's one T4 for a 2-GPU lab): the notebook stops
+    at its first cell with where to run it instead; `labkit notebooks run` counts it as stopped, not failed."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"NeedsMoreGPUs: {self}"]
+
+
 class RehearsalError(LabkitError, RuntimeError):
     """A rehearsal (a GPU profile's notebook run on CPU, labkit.rehearsal) found what would fail on the node."""
 

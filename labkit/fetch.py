@@ -16,7 +16,7 @@ from labkit import food11, hub
 from labkit.errors import ConfigError
 
 #: Pretrained weights of a preset architecture on the Hub (GPU profiles fine-tune these in 06 and 08).
-PRETRAINED = {"tinyllama-1.1b": "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "llama2-7b": "meta-llama/Llama-2-7b-hf"}
+PRETRAINED = {"llama-160m": "JackFram/llama-160m", "tinyllama-1.1b": "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "llama2-7b": "meta-llama/Llama-2-7b-hf"}
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ and gives back rank 0's output (streamed live while it runs, so a notebook cell 
 `LaunchError` naming the rank that failed first and carrying its traceback. It never hangs: torchrun
 stops the surviving ranks when one fails, and a wall-clock timeout (or Ctrl-C / the notebook's
 interrupt button) kills the whole process tree, SIGTERM first and SIGKILL after a grace period
-(a short one on interrupt: control is back within seconds). If the launcher itself dies without
+(a short one on interrupt: control is back within seconds). A run that may hang on purpose (a
+lesson's skipped collective) gives `hang_timeout_s`: that clock starts once every rank has called
+`rank_ready()` (imports and process group done), so a busy machine's slow start-up never eats it. If the launcher itself dies without
 cleaning up (SIGKILL, a kernel restart), `labkit.rank_guard` takes torchrun and every rank down with it.
 
 Rank logs: torchrun's `--log-dir` + `--redirects 3` writes `<log_dir>/<run_id>_*/attempt_0/<local_rank>/`
@@ -18,6 +20,7 @@ Introduced in notebook 03_ddp.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob
 import hashlib
 import json
@@ -33,6 +36,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from labkit import rank_guard
 from labkit.errors import ConfigError, LaunchError
@@ -44,6 +48,22 @@ INTERRUPT_GRACE_S = 1.5
 #: Ranks start as `python -m RANK_ENTRY MODULE ARGS` (parent-death guard + quiet imports, then MODULE).
 RANK_ENTRY = "labkit.rank_guard"
 _POLL_S = 0.1
+
+
+@contextlib.contextmanager
+def environ(**values: str) -> Iterator[None]:
+    """Set environment variables (for the kernel papermill starts: it inherits ours; for a rehearsal's
+    in-process rank), then restore them."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
 
 
 @dataclass(frozen=True)
@@ -260,17 +280,47 @@ def _wait(proc: subprocess.Popen, timeout_s: float) -> int | None:
                 return None
 
 
+#: A rank's environment names the folder where `rank_ready()` leaves its mark (runs with hang_timeout_s).
+READY_ENV = "LABKIT_READY_DIR"
+
+
+def rank_ready() -> None:
+    """Called on a rank once it is set up (imports, process group): a launch with `hang_timeout_s`
+    starts that clock when every rank has said so. Does nothing outside such a launch."""
+    folder = os.environ.get(READY_ENV)
+    if folder:
+        Path(folder, os.environ.get("RANK", "0")).touch()
+
+
+def _wait_ready(proc: subprocess.Popen, timeout_s: float, folder: str, nproc: int, hang_timeout_s: float):
+    """`_wait`, but stop `hang_timeout_s` after all `nproc` ranks called `rank_ready()` (never later than
+    `timeout_s`): (exit code or None, whether the hang clock ran out)."""
+    deadline = time.monotonic() + timeout_s
+    while len(os.listdir(folder)) < nproc:
+        try:
+            return proc.wait(timeout=_POLL_S), False
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                return None, False
+    left = deadline - time.monotonic()
+    return _wait(proc, min(left, hang_timeout_s)), hang_timeout_s < left
+
+
 def run(module: str, args: list[str], *, nproc: int, timeout_s: float = 600, env: dict | None = None,
         nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None, log_dir: str | None = None,
-        stream: bool = True, threads: int | None = None) -> LaunchResult:
+        stream: bool = True, threads: int | None = None, hang_timeout_s: float | None = None) -> LaunchResult:
     """Run `python -m module *args` on `nproc` ranks per node under torchrun.
 
     Streams local rank 0's output live (when `stream` and this is node 0), returns a `LaunchResult`
     on success, raises `LaunchError` (with `.rank`, `.traceback`, `.output`) when a rank fails or the
     run exceeds `timeout_s`; in every case no rank is left running on this node. `threads` sets
     OMP_NUM_THREADS per rank (default: the caller's, else 1; see `cpu_threads`); `env` wins over it.
+    `hang_timeout_s`: also stop the run that many seconds after every rank of this node called
+    `rank_ready()` (a hang's clock: start-up under load does not count).
     """
     _check_args(module, nproc, nnodes, node_rank, rdzv_endpoint, timeout_s)
+    if hang_timeout_s is not None and not hang_timeout_s > 0:
+        raise ConfigError(f"hang_timeout_s={hang_timeout_s!r}: give seconds > 0 (or None for no hang clock)")
     root = os.path.abspath(log_dir) if log_dir else tempfile.mkdtemp(prefix="labkit-launch-")
     if nnodes > 1:  # nodes may share a file system and run ids match across nodes: one folder per node
         root = os.path.join(root, f"node{node_rank}")
@@ -279,14 +329,22 @@ def run(module: str, args: list[str], *, nproc: int, timeout_s: float = 600, env
         run_id = _run_id(module, nnodes, rdzv_endpoint)
         cmd = torchrun_command(module, list(args), nproc=nproc, nnodes=nnodes, node_rank=node_rank,
                                rdzv_endpoint=rdzv_endpoint, log_dir=root, run_id=run_id)
-        code, launcher, output = _launch_once(cmd, os.path.join(glob.escape(root), f"{run_id}_*", "attempt_*", "0"),
-                                              env=_child_env(env, threads), timeout_s=timeout_s,
-                                              echo=stream and node_rank == 0)
+        child_env, ready = _child_env(env, threads), None
+        if hang_timeout_s is not None:
+            ready = (tempfile.mkdtemp(prefix="ready-", dir=root), nproc, hang_timeout_s)
+            child_env[READY_ENV] = ready[0]
+        code, launcher, output, hung = _launch_once(cmd, os.path.join(glob.escape(root), f"{run_id}_*", "attempt_*", "0"),
+                                                    env=child_env, timeout_s=timeout_s,
+                                                    echo=stream and node_rank == 0, ready=ready)
         # free_port()'s port was free a moment ago; another job (a second test worker) can bind it before
         # torchrun's store does: then no rank started, and a new port is tried, as spawn() does.
         if not (code and tries_left and _port_taken(launcher)):
             break
     attempt = _attempt_dir(root, run_id)
+    if code is None and hung:
+        raise LaunchError(f"{module} did not finish within hang_timeout_s={hang_timeout_s:g} s after its {nproc} "
+                          f"rank(s) were ready; all ranks were stopped. Look for a rank stuck in a collective "
+                          f"in the logs under {attempt or root}", output=output)
     if code is None:
         raise timeout_error(module, timeout_s, nproc, attempt or root, output)
     if code != 0:
@@ -301,8 +359,10 @@ def _port_taken(launcher_output: str) -> bool:
     return "eaddrinuse" in launcher_output.lower()
 
 
-def _launch_once(cmd: list[str], pattern: str, *, env: dict, timeout_s: float, echo: bool) -> tuple[int | None, str, str]:
-    """Start torchrun, follow rank 0, wait: (exit code or None on timeout, torchrun's output, rank 0's output)."""
+def _launch_once(cmd: list[str], pattern: str, *, env: dict, timeout_s: float, echo: bool,
+                 ready: tuple | None = None) -> tuple[int | None, str, str, bool]:
+    """Start torchrun, follow rank 0, wait: (exit code or None on timeout, torchrun's output, rank 0's output,
+    whether the hang clock of `ready` = (folder, nproc, hang_timeout_s) ran out)."""
     # New session: a terminal's Ctrl-C reaches only us, and we stop the job in order. `guarded`: if
     # we die without doing so, the kernel kills torchrun, and torchrun's ranks follow (rank_guard).
     # This thread forks torchrun and stays in this function until torchrun is gone (see rank_guard).
@@ -311,9 +371,9 @@ def _launch_once(cmd: list[str], pattern: str, *, env: dict, timeout_s: float, e
     reader, tail = _Reader(proc.stdout), _RankTail(pattern, echo=echo)
     reader.start()
     tail.start()
-    join_s = 10.0
+    join_s, hung = 10.0, False
     try:
-        code = _wait(proc, timeout_s)
+        code, hung = (_wait(proc, timeout_s), False) if ready is None else _wait_ready(proc, timeout_s, *ready)
         if code is None:
             kill_tree(proc)
     except BaseException:  # KeyboardInterrupt in a notebook: never leave ranks behind, and be quick
@@ -325,7 +385,7 @@ def _launch_once(cmd: list[str], pattern: str, *, env: dict, timeout_s: float, e
         tail.join(timeout=join_s)
         reader.join(timeout=join_s)
         proc.stdout.close()
-    return code, reader.text, tail.text
+    return code, reader.text, tail.text, hung
 
 
 def timeout_error(module: str, timeout_s: float, nproc: int, logs: str, output: str) -> LaunchError:

@@ -25,6 +25,11 @@ LLM_PRESETS = MappingProxyType({
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                      tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
                      router_aux_loss_coef=0.01, output_router_logits=True),
+    # A 160M Llama (JackFram/llama-160m's config.json): the LLM of the free T4 profiles, where
+    # TinyLlama's fp32 AdamW states alone (~17.6 GB) exceed a 16 GB T4. 12 heads / 12 layers split over 2.
+    "llama-160m": dict(vocab_size=32000, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                       num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048,
+                       tie_word_embeddings=False),
     "tinyllama-1.1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                            num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                            max_position_embeddings=2048, tie_word_embeddings=False),

@@ -53,7 +53,7 @@ class Profile:
     gpu_memory_gb: float = 0.0
     """Memory per GPU in GB (10^9 bytes)."""
     peak_tflops: float = 0.0
-    """Dense peak TFLOPS at `dtype` for MFU (A100 bf16 312, H100 SXM 989, V100 fp16 125)."""
+    """Dense peak TFLOPS at `dtype` for MFU (A100 bf16 312, H100 SXM 989, V100 fp16 125, T4 fp16 65)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -111,8 +111,26 @@ def v100x4() -> Profile:
                                gpu_memory_gb=32.0, peak_tflops=125.0, llm_batch=8, seq_len=512)
 
 
+def t4x2() -> Profile:
+    """Kaggle's free "GPU T4 x2" notebook: two Tesla T4 16GB (Turing, compute capability 7.5, no bf16):
+    fp16 with a GradScaler as on v100x4. TinyLlama's fp32 AdamW states (~17.6 GB) exceed one T4, so the
+    LLM labs train the 160M Llama. Batches are the estimator's largest powers of 2 under HEADROOM of 16 GB
+    for the fp32 single-GPU baselines (ResNet-50 128 x 224^2: ~11.3 GB; the 160M Llama 16 x 512: ~12.6 GB);
+    every lab run is checked against the estimator in tests/test_gpu_profiles.py."""
+    return Profile(name="t4x2", device="cuda", backend="nccl", nproc=2, dtype="float16",
+                   llm_model="llama-160m", vision_model="resnet50", image_batch=128, llm_batch=16,
+                   seq_len=512, image_size=224, steps=100, lr=1e-4, timeout_s=3600.0,
+                   gpu_name="Tesla T4", gpu_memory_gb=16.0, peak_tflops=65.0)
+
+
+def t4x1() -> Profile:
+    """Colab's free T4 (one Tesla T4 16GB): the single-GPU labs; the multi-GPU ones say to use t4x2."""
+    return dataclasses.replace(t4x2(), name="t4x1", nproc=1)
+
+
 PROFILES: dict[str, Callable[[], Profile]] = {
     "smoke": smoke, "smoke-bf16": smoke_bf16, "a100x1": a100x1, "a100x4": a100x4, "h100x1": h100x1, "v100x4": v100x4,
+    "t4x1": t4x1, "t4x2": t4x2,
 }
 
 

@@ -3,7 +3,9 @@
 - Each test file is one unit of work (its module fixtures are built once), and files that import each
   other's fixtures are one unit together (tests/test_sharding_memory.py's shared sweep is read by
   test_fsdp, test_zero and test_accelerate_fsdp: one torchrun job for all four, on one worker).
-- A notebook execution is a unit of its own, so two workers run different notebooks side by side.
+- A notebook execution, a notebook's rehearsal on one GPU profile and one exercise's solution-and-mutants
+  check are units of their own (SPLIT: cases that share nothing), so two workers run them side by side:
+  as one file's unit, the 30 rehearsals alone kept one worker busy for 20 minutes.
 - Units go out heaviest first (longest-processing-time first: no worker is left with one long unit
   while the other idles at the end); with `--no-loadscope-reorder` xdist keeps this order.
 tests/conftest.py hands `make_scheduler` to xdist (`pytest_xdist_make_scheduler`) and calls `schedule`.
@@ -16,13 +18,23 @@ import ast
 from pathlib import Path
 
 
-NOTEBOOK_RUN = "test_notebook_runs_in_smoke_profile"
-WEIGHTS = {"notebook": 100.0, "slow": 15.0, "other": 0.3}
+#: test function -> the rough CPU seconds of one case; each case is a unit of its own (no shared fixture).
+SPLIT = {
+    "test_notebook_runs_in_smoke_profile": 100.0,
+    "test_notebook_rehearses_on_the_profile": 40.0,
+    "test_the_solution_passes_and_every_mutant_fails_a_test": 25.0,
+}
+WEIGHTS = {"slow": 15.0, "other": 0.3}
+
+
+def _split(nodeid: str) -> str | None:
+    name = nodeid.split("::", 1)[-1].split("[", 1)[0]
+    return name if name in SPLIT else None
 
 
 def weight(item) -> float:
-    if NOTEBOOK_RUN in item.nodeid:
-        return WEIGHTS["notebook"]
+    if split := _split(item.nodeid):
+        return SPLIT[split]
     return WEIGHTS["slow"] if item.get_closest_marker("slow") else WEIGHTS["other"]
 
 
@@ -43,8 +55,8 @@ def file_groups(test_files: list[Path]) -> dict[str, str]:
 
 
 def unit_of(nodeid: str, groups: dict[str, str]) -> str:
-    """The unit of work a test belongs to: its notebook run, else its file's group."""
-    if NOTEBOOK_RUN in nodeid:
+    """The unit of work a test belongs to: itself for a SPLIT case, else its file's group."""
+    if _split(nodeid):
         return nodeid
     file = nodeid.split("::", 1)[0]
     return groups.get(Path(file).stem, file)

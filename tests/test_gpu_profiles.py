@@ -51,7 +51,7 @@ def test_a_profile_that_would_oom_fails_with_the_bytes():
 
 
 @pytest.mark.parametrize("name, dtype", [("v100x4", "float16"), ("a100x4", "bfloat16"), ("a100x1", "bfloat16"),
-                                         ("h100x1", "bfloat16")])
+                                         ("h100x1", "bfloat16"), ("t4x1", "float16"), ("t4x2", "float16")])
 def test_each_gpu_gets_its_tensor_core_precision(name, dtype):
     profile = get_profile(name)
     assert profile.dtype == dtype and pc.precision_problem(profile) is None

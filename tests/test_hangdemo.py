@@ -38,12 +38,27 @@ def test_skipped_collective_hangs_until_the_launcher_stops_every_rank(tmp_path):
     from labkit import launch
     from labkit.errors import LaunchError
 
-    with pytest.raises(LaunchError, match="did not finish within timeout_s") as info:
-        launch.run("labkit.profiling.hangdemo", ["--dump-after", "2"], nproc=2, timeout_s=30, log_dir=str(tmp_path),
-                   stream=False)
+    # the hang's clock starts when both ranks are up: a busy machine's slow `import torch` does not count
+    with pytest.raises(LaunchError, match="did not finish within hang_timeout_s=5 s after its 2 rank") as info:
+        launch.run("labkit.profiling.hangdemo", ["--dump-after", "60"], nproc=2, timeout_s=600, hang_timeout_s=5,
+                   log_dir=str(tmp_path), stream=False)
     assert "step 1: mean loss" in info.value.output  # it ran, then hung
     frames = hangdemo.stuck_frames(tmp_path)
     assert frames[0]["func"] == "all_reduce" and "log_loss" in frames[0]["caller"]  # rank 0 waits for rank 1
     assert frames[1]["func"] == "barrier"  # rank 1 skipped it and waits at the end of the run
     pids = [int(m) for p in tmp_path.rglob("stderr.log") for m in re.findall(r"pid (\d+) started", p.read_text())]
     assert len(pids) == 2 and not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
+
+
+def test_a_hang_clock_needs_seconds_and_rank_ready_outside_a_launch_does_nothing(monkeypatch, tmp_path):
+    from labkit import launch
+    from labkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"hang_timeout_s=0: give seconds > 0"):
+        launch.run("labkit.profiling.hangdemo", [], nproc=2, hang_timeout_s=0)
+    monkeypatch.delenv(launch.READY_ENV, raising=False)
+    launch.rank_ready()
+    monkeypatch.setenv(launch.READY_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    launch.rank_ready()
+    assert [p.name for p in tmp_path.iterdir()] == ["1"]

@@ -73,7 +73,7 @@ def test_fsdp_notebook_shows_where_ddp_runs_out_of_memory():
     code = text("04", "code")
     assert 'oom.ddp_vs_fsdp("llama2-7b"' in code and 'oom_model, oom_options = "llama2-7b"' in code
     # ... and both really run: on GPU the 7B model, in smoke under a cap the notebook asserts DDP exceeds
-    assert 'for name in ("ddp", "fsdp")' in code and 'outcome["ddp"] == "OUT OF MEMORY"' in code
+    assert 'for name in ("ddp", FSDP)' in code and 'outcome["ddp"] == "OUT OF MEMORY"' in code
 
 
 # ---------------------------------------------------------------- issue 30: questions, hints, labels

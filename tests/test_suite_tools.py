@@ -15,6 +15,11 @@ def test_files_sharing_the_sharding_sweep_are_one_unit_and_notebook_runs_are_the
     run = "tests/test_notebooks.py::test_notebook_runs_in_smoke_profile[notebooks/03_ddp.ipynb-smoke]"
     assert unit_of(run, groups) == run
     assert unit_of("tests/test_zero.py::test_x", groups) == sweep.pop()
+    # each rehearsal and each exercise's mutant check is a unit: one file's 30 rehearsals on one worker took 20 min
+    for case in ("tests/test_rehearsal.py::test_notebook_rehearses_on_the_profile[02_single_gpu-a100x4]",
+                 "tests/test_exercises_ci.py::test_the_solution_passes_and_every_mutant_fails_a_test[03_ddp-bucket]"):
+        assert unit_of(case, groups) == case
+    assert unit_of("tests/test_rehearsal.py::test_a_bare_cuda_device_is_the_current_one", groups) == "test_rehearsal"
 
 
 def test_changed_files_select_the_tests_that_import_them():

@@ -9,15 +9,15 @@ tests/test_notebooks.py. Introduced in notebook 00_setup.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from labkit.errors import ConfigError, NotebookError
+from labkit.launch import environ
 from labkit.profiles import get_profile
 
 KERNEL = "labkit"
@@ -42,7 +42,8 @@ class NotebookRun:
     name: str
     """Notebook file name without `.ipynb`, e.g. '01_memory'."""
     status: str
-    """'ok' or 'failed'."""
+    """'ok', 'failed', or 'stopped': the lab needs more GPUs than the profile has and said so in its first
+    cell (`labkit.hosted.require_gpus`, e.g. a 2-GPU lab on Colab's one T4) -- counted as ok."""
     seconds: float
     output: Path
     """The executed copy; written in both cases."""
@@ -61,7 +62,7 @@ class NotebookRun:
 
     @property
     def ok(self) -> bool:
-        return self.status == "ok"
+        return self.status in ("ok", "stopped")
 
     def cells(self) -> dict[int, int]:
         """{execution count: source cell index} of the executed copy (`source_cells`)."""
@@ -70,6 +71,8 @@ class NotebookRun:
     def describe(self) -> str:
         """One line naming the notebook, and for a failure the cell, the error and the executed copy."""
         kind = f"rehearsal {self.profile} " if self.rehearsal_log else ""
+        if self.status == "stopped":
+            return f"{self.name}: {kind}stopped in {self.seconds:.1f} s: {self.evalue}"
         if self.ok:
             cpu = f" ({self.cpu_seconds:.1f} CPU s)" if self.cpu_seconds is not None else ""
             return f"{self.name}: {kind}ok in {self.seconds:.1f} s{cpu}"
@@ -139,22 +142,6 @@ def find_notebooks(names: Sequence[str] | None = None, notebook_dir: str | os.Pa
 
 
 # ---------------------------------------------------------------- running
-@contextlib.contextmanager
-def environ(**values: str) -> Iterator[None]:
-    """Set environment variables (for the kernel papermill starts: it inherits ours; for a rehearsal's
-    in-process rank), then restore them."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
-
-
 def _tags(cell) -> list[str]:
     return list(cell.get("metadata", {}).get("tags", []))
 
@@ -252,6 +239,9 @@ def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: st
                                ename="RehearsalError", evalue=found[0], **common)
     if not fail:
         return NotebookRun(src.stem, "ok", seconds, out, **common)
+    if fail["ename"] == "NeedsMoreGPUs":  # labkit.hosted.require_gpus: where to run the lab instead, not a failure
+        return NotebookRun(src.stem, "stopped", seconds, out, ename=fail["ename"], evalue=_ANSI.sub("", fail["evalue"]),
+                           **common)
     cell, count = _failing_cell(out, fail["index"]) if out.exists() else (None, None)
     return NotebookRun(src.stem, "failed", seconds, out, cell=cell, exec_count=count, ename=fail["ename"],
                        evalue=_ANSI.sub("", fail["evalue"]), traceback=_ANSI.sub("", fail["tb"]), **common)
@@ -288,7 +278,7 @@ def format_runs(runs: Sequence[NotebookRun]) -> str:
     """Fixed-width table: notebook, status, wall and CPU seconds, failing cell and error."""
     rows = [("notebook", "status", "seconds", "cpu s", "failure")]
     for r in runs:
-        failure = "" if r.ok else f"cell {r.cell}: {r.ename}: {r.evalue}"[:100]
+        failure = r.evalue[:100] if r.status == "stopped" else "" if r.ok else f"cell {r.cell}: {r.ename}: {r.evalue}"[:100]
         cpu = "" if r.cpu_seconds is None else f"{r.cpu_seconds:.1f}"
         rows.append((r.name, r.status, f"{r.seconds:.1f}", cpu, failure))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]

@@ -20,7 +20,7 @@ from labkit.memory.runs import HEADROOM, memory_config
 from labkit.profiles import Profile, get_profile
 
 #: Compute capability of each GPU family the profiles name (bf16 tensor cores need >= 8.0).
-CAPABILITY = {"V100": (7, 0), "A100": (8, 0), "H100": (9, 0)}
+CAPABILITY = {"V100": (7, 0), "T4": (7, 5), "A100": (8, 0), "H100": (9, 0)}
 #: TrainConfig.amp of a dtype; the mixed-precision mode a lab uses where it says "AMP".
 AMP_OF_DTYPE = {"float32": "none", "bfloat16": "bf16", "float16": "fp16"}
 @dataclass(frozen=True)

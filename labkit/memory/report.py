@@ -14,6 +14,7 @@ PARTS = ("weights", "grads", "optimizer", "activations")
 #: grading checks and `labkit.profiling.oom` read it from here. Vendors' "24 GB" for an RTX 4090 means 24 GiB of
 #: GDDR6X: nvidia-smi shows 24,564 MiB (= 25.76 * 10^9 B), so the 4090 is 24,564 MiB, not 24 * 10^9 B.
 GPU_CAPACITIES = {
+    "T4 16GB": 15_360 * 2**20,
     "RTX 4090 24GB": 24_564 * 2**20,
     "V100 32GB": 32_768 * 2**20,
     "A100 40GB": 40_960 * 2**20,

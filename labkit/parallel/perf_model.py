@@ -1,7 +1,7 @@
 """Step time, MFU and HFU of one transformer layout on N GPUs: the planner's time model.
 
-Pure Python, no torch. Per optimizer step, on the slowest pipeline stage (the last one: it also runs the LM head
-and the loss), one micro-batch costs (`labkit.parallel.perf_ops`, where each mechanism is explained)
+Pure Python, no torch. Per optimizer step, on the slowest pipeline stage (`stage_kinds`: the last one, which also
+runs the LM head and the loss, unless the partition gave it fewer transformer layers), one micro-batch costs (`labkit.parallel.perf_ops`, where each mechanism is explained)
   GEMMs       every linear's forward GEMM and the backward's two, at an additive roofline: FLOPs at the fitted
               share of the peak + operands and output through HBM (thin GEMMs -- small hidden size, small
               micro-batch, wide TP -- run slower); FP8 linears on the FP8 tensor cores
@@ -48,6 +48,8 @@ from labkit.parallel.perf_ops import (attention_flops, layer_forward_flops, line
 
 SELECTIVE = ("core", "op")
 PIPELINE_ENGINES = ("megatron", "deepspeed")
+#: How a pipeline's stages get their layers (`Layout.pp_partition`).
+PP_PARTITIONS = ("transformer", "transformer|embedding")
 #: One-way transfer times of a boundary activation on the critical path per micro-batch in DeepSpeed's pipeline
 #: engine (blocking send/recv with both neighbours every step, chained; bench/pipeline_p2p_sim.py replays its
 #: TrainSchedule: 4.0-4.4 for 4-35 stages, 2 for 2).
@@ -102,6 +104,11 @@ class Layout:
     """Pipeline point-to-point: 'megatron' (send_forward_recv_backward pairs) or 'deepspeed' (blocking
     rendezvous with both neighbours every step, which chain; Smith et al. 2022's MT-NLG, BLOOM). Both send
     1/tp of the boundary activation per rank (Megatron's scatter/gather; DeepSpeed's partitioned tensors)."""
+    pp_partition: str = "transformer"
+    """Which layers the pipeline stages share out: 'transformer' = the transformer layers evenly (Megatron-LM;
+    DeepSpeed's partition method 'type:transformer'), so the last stage runs the LM head and loss on top of its
+    share; 'transformer|embedding' = the input embedding and the tied LM head counted as layers too (DeepSpeed's
+    'type:transformer|embedding', BLOOM): the first and last stages each give up a transformer layer for them."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch", "microbatches", "interleave", "cp", "ep"):
@@ -111,7 +118,8 @@ class Layout:
         if self.interleave > 1 and self.pp == 1:
             raise ConfigError(f"interleave={self.interleave} needs pipeline parallelism (pp > 1): it splits each "
                               "pipeline rank's layers into chunks; use interleave 1")
-        for name, allowed in (("selective", SELECTIVE), ("pipeline_engine", PIPELINE_ENGINES)):
+        for name, allowed in (("selective", SELECTIVE), ("pipeline_engine", PIPELINE_ENGINES),
+                              ("pp_partition", PP_PARTITIONS)):
             if getattr(self, name) not in allowed:
                 raise choices_error(name, getattr(self, name), allowed)
         if self.shard_group and (not self.zero or self.dp % self.shard_group):
@@ -182,21 +190,37 @@ class _Slot:
         return self.fwd_mem + self.bwd_mem + self.redo_mem
 
 
-def _compute(spec, lay: Layout, seq: int, layers: int, rates: perf_ops.Rates) -> _Slot:
-    """One micro-batch's compute on the last stage (its layers + the LM head and loss): GEMMs and attention
-    (`labkit.parallel.perf_ops`), elementwise kernels at HBM speed (the backward's twice the forward's bytes;
-    FP8 adds its casts), recomputation by checkpointing policy."""
+def stage_kinds(layers: int, lay: Layout) -> list[tuple[int, bool]]:
+    """(transformer layers, runs the LM head and loss) of the stages that can be a pipeline's slowest.
+
+    'transformer': ceil(L / p) layers on the last stage, with the head (every stage has at most that many).
+    'transformer|embedding': L + 2 items in p balanced parts of at most k = ceil((L + 2) / p); the first stage is
+    [embedding | k - 1 layers], the last [k - 1 layers | LM head], a middle one up to k layers (BLOOM: 72 = 12 x 6,
+    "pp rank 0: [embed | 5 transformer blocks] ... pp rank 11: [5 transformer blocks | embed]"). The head is
+    never recomputed (DeepSpeed checkpoints only transformer layers, Megatron only its transformer block); the
+    input embedding is a lookup, not counted."""
+    p = lay.pp
+    if lay.pp_partition == "transformer" or p == 1:
+        return [(math.ceil(layers / p), True)]
+    k = math.ceil((layers + 2) / p)
+    return [(k - 1, True)] + ([(k, False)] if p > 2 else [])
+
+
+def _compute(spec, lay: Layout, seq: int, layers: int, rates: perf_ops.Rates, head: bool = True) -> _Slot:
+    """One micro-batch's compute on a stage of `layers` transformer layers (`head`: + the LM head and loss):
+    GEMMs and attention (`labkit.parallel.perf_ops`), elementwise kernels at HBM speed (the backward's twice the
+    forward's bytes; FP8 adds its casts), recomputation by checkpointing policy."""
     b, t, q_seq = lay.micro_batch, lay.tp, seq // lay.cp
     tok = b * q_seq
     lin = layers * perf_ops.linears_s(spec, tok, t, rates, lay.ep)
     att = layers * perf_ops.attention_s(spec, b, seq, q_seq, t, rates, lay.flash)
-    head = perf_ops.head_s(spec, tok, t, rates)
+    head = perf_ops.head_s(spec, tok, t, rates) if head else 0.0
     per_tok = layers * tok / rates.hbm  # seconds per (byte per token and layer)
     elem = per_tok * perf_ops.elementwise_bytes(spec, tp=t, sp=lay.sequence_parallel and t > 1, seq=seq,
                                                 flash=lay.flash, eager=lay.eager)
     core = per_tok * perf_ops.softmax_bytes(spec, t, seq, lay.eager) if not lay.flash else 0.0
     cast_f, cast_b = (per_tok * x for x in perf_ops.fp8_cast_bytes(spec, tok, t)) if lay.precision == "fp8" else (0, 0)
-    loss = tok * perf_ops.loss_bytes(spec, t, lay.eager) / rates.hbm
+    loss = tok * perf_ops.loss_bytes(spec, t, lay.eager) / rates.hbm if head else 0.0
     if lay.checkpointing == "full":
         redo_mm, redo_mem = lin + att, elem + cast_f
     elif lay.checkpointing == "selective" and lay.selective == "op":
@@ -264,23 +288,28 @@ def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, effi
     inter = inter_node_gbps or g.inter_node_gbps
     gpus = lay.dp * lay.tp * lay.pp * lay.cp
     t = lay.tp
-    layers = math.ceil(spec.arch["layers"] / lay.pp)
     rates = _rates(gpu, lay, efficiency)
     tok = lay.micro_batch * seq // lay.cp  # this GPU's tokens of a micro-batch (its queries still see all seq keys)
-    c = _compute(spec, lay, seq, layers, rates)
     act = tok * spec.arch["hidden"] * 2  # one (b, s, h) bf16 activation
-    n_ar = _tp_collectives(lay) * layers
-    tp_bytes = n_ar * comm.bytes_sent("all_reduce", act, t)
     nvlink = g.nvlink_gbs * 1e9 * comm_efficiency("nvlink")
     network = inter / 8 * 1e9 * comm_efficiency("network")
-    tp = tp_bytes / nvlink
-    if lay.tp_overlap and t > 1:
-        tp = _tp_overlapped(spec, lay, tok, tp, n_ar, rates)
     pp_bytes, pp = _pp_cost(lay, act, gpus, gpus_per_node, nvlink, network)
-    cp_bytes, ep_bytes = _cp_ep_bytes(spec, lay, tok, layers)
-    cp = cp_bytes / (nvlink if t * lay.cp <= gpus_per_node else network)
-    ep = ep_bytes / (nvlink if gpus <= gpus_per_node else network)
-    slot = c.matmul + c.memory + tp + pp + cp + ep
+
+    def stage(layers: int, head: bool) -> tuple:
+        c = _compute(spec, lay, seq, layers, rates, head)
+        n_ar = _tp_collectives(lay) * layers
+        tp_bytes = n_ar * comm.bytes_sent("all_reduce", act, t)
+        tp = tp_bytes / nvlink
+        if lay.tp_overlap and t > 1:
+            tp = _tp_overlapped(spec, lay, tok, tp, n_ar, rates)
+        cp_bytes, ep_bytes = _cp_ep_bytes(spec, lay, tok, layers)
+        cp = cp_bytes / (nvlink if t * lay.cp <= gpus_per_node else network)
+        ep = ep_bytes / (nvlink if gpus <= gpus_per_node else network)
+        return c.matmul + c.memory + tp + pp + cp + ep, layers, c, tp, tp_bytes, cp, cp_bytes, ep, ep_bytes
+
+    # 1F1B's slot is the slowest stage's (the others wait for it in the steady state)
+    slot, layers, c, tp, tp_bytes, cp, cp_bytes, ep, ep_bytes = max(
+        (stage(n, head) for n, head in stage_kinds(spec.arch["layers"], lay)), key=lambda kind: kind[0])
     m = lay.microbatches
     pipeline = comm.step_slots(lay.pp, m, lay.interleave) * slot
     bubble = comm.bubble_fraction(lay.pp, m, lay.interleave)

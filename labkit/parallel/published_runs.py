@@ -24,7 +24,7 @@ DATA = "published_runs.json"
 METRICS = ("tokens_per_s_per_gpu", "iteration_s", "mfu", "hfu", "tflops_per_gpu")
 LAYOUT_FIELDS = ("checkpointing", "zero", "sequence_parallel", "interleave", "flash", "fsdp", "shard_group",
                  "dp_overlap", "precision", "fused_kernels", "cp", "eager", "selective", "reduce_fp32", "tp_overlap",
-                 "pipeline_engine")
+                 "pipeline_engine", "pp_partition")
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,14 @@
 """A deliberate hang, and how to find it: one rank skips a collective (notebook 09_beyond_3d).
 
 Run on ranks as `python -m labkit.profiling.hangdemo --skip-rank 1 --skip-step 2` (through `labkit.launch.run`
-with a short `timeout_s`). Every step all-reduces the loss for logging; the skipping rank "forgets"
+with a short `hang_timeout_s`: counted from when both ranks are up, `launch.rank_ready()`). Every step all-reduces the loss for logging; the skipping rank "forgets"
 that all-reduce at one step -- the classic bug of a collective inside a branch that not all ranks
 take -- and goes on to the end-of-run barrier. Its peer waits in the all-reduce forever: gloo and
 NCCL have no idea the other rank will never come (their own timeouts default to 30-10 minutes).
 
 What finds it on CPU: every rank arms `faulthandler.dump_traceback_later(dump_after_s)`, which prints
-all of its threads' Python stacks to its stderr log if the run is still going then, and registers
-SIGUSR1 for an on-demand dump (`kill -USR1 <pid>`: what `py-spy dump --pid <pid>` gives without a
+all of its threads' Python stacks to its stderr log if the run is still going then, dumps them again
+when the launcher stops it (SIGTERM), and registers SIGUSR1 for an on-demand dump (`kill -USR1 <pid>`: what `py-spy dump --pid <pid>` gives without a
 handler, when ptrace is allowed). `stuck_frames(log_root)` reads those dumps back: per rank, the
 innermost frame of this program's main thread. On GPUs, see docs/beyond_3d.md (NCCL flight recorder,
 TORCH_DISTRIBUTED_DEBUG=DETAIL, NCCL_DEBUG=INFO).
@@ -57,12 +57,17 @@ def main(argv=None) -> None:
     p.add_argument("--skip-step", type=int, default=2)
     p.add_argument("--dump-after", type=float, default=5.0, help="seconds before each rank dumps its stacks")
     a = p.parse_args(argv)
+    from labkit import launch
+
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: dump now
-    faulthandler.dump_traceback_later(a.dump_after, exit=False)  # dump if still running then
+    # ... and when the launcher stops the hung run (SIGTERM): the stacks are in the log whatever the timing
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     # The collective timeout stays far above the launcher's: the launcher is what stops a hung run.
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
     rank = dist.get_rank()
     print(f"rank {rank} pid {os.getpid()} started", file=sys.stderr, flush=True)
+    launch.rank_ready()  # the launcher's hang_timeout_s starts when every rank got here
+    faulthandler.dump_traceback_later(a.dump_after, exit=False)  # dump if still running then
     train(rank, a.steps, a.skip_rank, a.skip_step)
     faulthandler.cancel_dump_traceback_later()
     if rank == 0:

@@ -69,19 +69,20 @@ def check(cap_gb: float | None, peak_bytes: int, *, what: str = "one training st
 
 #: The scenario's GPU: an RTX 4090, 24 GiB = 24,564 MiB as nvidia-smi shows it -- the same capacity the
 #: notebook's "fits in 24 GB" table uses (`labkit.memory.report.GPU_CAPACITIES`), so the cap the runs
-#: train under and the table agree (issue #25, finding 10: a 24e9 B cap against a 24 GiB table).
+#: train under and the table agree (issue #25, finding 10: a cap of 24 billion bytes against a 24 GiB table).
 SCENARIO_GPU = "RTX 4090 24GB"
 _ESTIMATOR_PRECISION = {"float32": ("fp32", "fp32"), "bfloat16": ("mixed-bf16", "bf16"),
                         "float16": ("mixed-fp16", "fp16")}
 
 
 def scenario_cap_gb(profile, model: str) -> float:
-    """Notebook 06's cap: 24 GB on a GPU profile. On CPU the same story scaled to `model`: the geometric
-    mean of the estimates (labkit.memory) of a full fine-tune and of LoRA (r=8 on q,v) at the profile's
-    batch, so the full fine-tune runs out of memory and LoRA fits, with margin on both sides."""
+    """Notebook 06's cap: 24 GB on a GPU profile, or the GPU's own memory where that is smaller (a 16 GB
+    T4: a 24 GB cap there would read as if the card had 24). On CPU the same story scaled to `model`: the
+    geometric mean of the estimates (labkit.memory) of a full fine-tune and of LoRA (r=8 on q,v) at the
+    profile's batch, so the full fine-tune runs out of memory and LoRA fits, with margin on both sides."""
     if profile.device == "cuda":
         from labkit.memory.report import GPU_CAPACITIES
-        return GPU_CAPACITIES[SCENARIO_GPU] / GB
+        return min(GPU_CAPACITIES[SCENARIO_GPU], profile.gpu_memory_gb * GB) / GB
     from labkit.memory.estimate import MemoryConfig, estimate
 
     full_precision, frozen_precision = _ESTIMATOR_PRECISION[profile.dtype]

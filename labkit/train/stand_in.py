@@ -217,7 +217,7 @@ def _format(exc: BaseException) -> str:
 @contextlib.contextmanager
 def rank_environment(rank: int, world: int, env: dict):
     """What torchrun puts in a rank's environment (DeepSpeed reads it), restored afterwards."""
-    from labkit.course.notebooks import environ
+    from labkit.launch import environ
 
     with environ(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                  MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", DS_ACCELERATOR="cpu", **env):
