@@ -159,6 +159,41 @@ def test_each_run_hands_its_mesh_groups_back(rehearsing, tmp_path, monkeypatch):
     assert [c["event"] for c in devices.calls()] == ["run", "run"]  # sized; a CPU profile stands in for no GPU call
 
 
+def test_a_gpus_memory_is_freed_by_a_full_collection_a_stand_ins_by_the_young_generations(rehearsing, monkeypatch):
+    """An old cycle (a finished run's model, promoted to the oldest generation) holds device memory on a GPU:
+    the full collection frees it. A stand-in for cuda:r (or a CPU) collects only the young generations: a full
+    one walks the kernel's whole heap (0.3-1.5 CPU s with transformers imported) after every probe."""
+    import gc
+    import weakref
+
+    from labkit.train.metrics import free_device_memory
+
+    for name in ("empty_cache", "reset_peak_memory_stats", "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+
+    class Cycle:  # as hooks and engines make them
+        def __init__(self):
+            self.me, self.weight = self, torch.zeros(4)
+
+    def old_cycle():
+        cycle = Cycle()
+        gc.collect()  # it survives (still referenced): now in the oldest generation
+        return weakref.ref(cycle)
+
+    gc.disable()  # only the collections free_device_memory makes
+    try:
+        devices.for_rank(get_profile("a100x4"), 0)  # this process stands in for cuda:0
+        stand_in_cycle = old_cycle()
+        free_device_memory("cpu")
+        assert stand_in_cycle() is not None  # left to the interpreter's next full collection
+        devices.stop_standing_in()
+        gpu_cycle = old_cycle()
+        free_device_memory("cuda:0")
+        assert gpu_cycle() is None and stand_in_cycle() is None
+    finally:
+        gc.enable()
+
+
 # ------------------------------------------------------------------------------------ sizing at the real size
 def _cfg(strategy, model, profile, **options):
     from labkit.train.config import from_dict

@@ -91,9 +91,15 @@ def free_device_memory(device: torch.device | str | None = None, *, reset_peak: 
     blocks to the driver (`torch.cuda.empty_cache`: what nvidia-smi and the next process see) and,
     with `reset_peak`, restart `max_memory_allocated` so the next measurement sees only its own peak.
     On CPU only the collection does anything. Unverified on hardware here: the CUDA calls are
-    documented torch.cuda memory-management APIs, tested on CPU with stand-ins."""
-    gc.collect()
+    documented torch.cuda memory-management APIs, tested on CPU with stand-ins.
+
+    The full collection (every generation) runs where memory is a GPU's: a finished run's cyclic garbage
+    holds device memory the allocator cannot hand back. It walks the whole heap -- 0.3-1.5 CPU s in a
+    process that imported torch, dynamo and transformers, most of a rehearsal's max-batch probe -- so on
+    CPU (smoke, and a rehearsal's stand-in for cuda:r) only the young generations are collected: a probe's
+    and a step's garbage; older cycles go at the interpreter's own next full collection."""
     device = torch.device(device) if device is not None else devices.default()
+    gc.collect(2 if devices.is_gpu(device) and not devices.standing_in() else 1)
     if devices.is_gpu(device):
         devices.synchronize(device)
         devices.empty_cache(device)
