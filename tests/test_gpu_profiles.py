@@ -164,6 +164,16 @@ def test_gpu_profile_without_gpus_in_a_notebook_is_one_line(tmp_path):
 
 
 # ---------------------------------------------------------------- the preflight
+def test_a_cpu_profile_has_no_lab_runs_to_size_and_its_preflight_lab_check_passes():
+    # the manifest holds GPU profiles only (a CPU profile's runs are the notebooks' own in make test)
+    from labkit.course import preflight
+
+    for name in ("smoke", "smoke-bf16"):
+        assert pc.lab_runs(get_profile(name)) == []
+        checks = preflight.labs_checks(get_profile(name))
+        assert [(c.status, c.detail.split(" suits")[0]) for c in checks] == [("ok", f"precision {get_profile(name).dtype}")]
+
+
 @pytest.mark.slow
 def test_preflight_smoke_trains_every_strategy_and_probes(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

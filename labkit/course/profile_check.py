@@ -72,6 +72,8 @@ def lab_runs(profile: Profile) -> list[tuple[str, str, str, str, dict]]:
     CPU profile (09's multi-rank runs on a one-GPU node: the manifest names their `profile`) are left out."""
     from labkit.course import rehearse
 
+    if profile.device == "cpu":  # nothing to size against a GPU: the notebooks' own runs in make test train them
+        return []
     return [(r["lab"], r["label"], r["strategy"], r["model"], dict(r["options"]))
             for r in rehearse.manifest_rows(profile.name) if not r.get("may_oom") and "profile" not in r]
 
