@@ -27,13 +27,13 @@ import pytest
 #: (kind, rule) in order; the first rule that matches a test names its kind. A rule sees the node id,
 #: whether the test is marked slow and how many Python processes it started (None when not sampled).
 KINDS = [
-    ("notebook: smoke", lambda n, slow, procs: "test_notebook_runs_in_smoke_profile" in n and n.endswith("-smoke]")),
-    ("notebook: smoke-bf16", lambda n, slow, procs: "test_notebook_runs_in_smoke_profile" in n),
+    ("notebook: smoke", lambda n, slow, procs: "test_notebook_runs_in_smoke_profile" in n),
     ("notebook: rehearsals", lambda n, slow, procs: "rehears" in n),
     ("launcher load test", lambda n, slow, procs: n.startswith("tests/test_launch_load.py")),
     ("browser (chromium)", lambda n, slow, procs: n.startswith(("tests/test_widgets_browser.py", "tests/test_slides.py"))),
     ("sandbox grading", lambda n, slow, procs: n.startswith(("tests/test_grading_isolation.py",
-                                                              "tests/test_grading_corpus.py"))),
+                                                              "tests/test_grading_corpus.py",
+                                                              "tests/test_grading_hostile.py"))),
     ("exercise spawns and mutants", lambda n, slow, procs: n.startswith("tests/test_exercises_") and
      (slow or bool(procs))),
     ("multi-process jobs (torchrun, spawn)", lambda n, slow, procs: slow),

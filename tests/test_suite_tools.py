@@ -12,7 +12,7 @@ def test_files_sharing_the_sharding_sweep_are_one_unit_and_notebook_runs_are_the
     sweep = {groups[name] for name in ("test_sharding_memory", "test_fsdp", "test_zero", "test_accelerate_fsdp")}
     assert len(sweep) == 1
     assert groups["test_budget"] == "test_budget"
-    run = "tests/test_notebooks.py::test_notebook_runs_in_smoke_profile[notebooks/03_ddp.ipynb-smoke]"
+    run = "tests/test_notebooks.py::test_notebook_runs_in_smoke_profile[notebooks/03_ddp.ipynb]"
     assert unit_of(run, groups) == run
     assert unit_of("tests/test_zero.py::test_x", groups) == sweep.pop()
     # each rehearsal and each exercise's mutant check is a unit: one file's 30 rehearsals on one worker took 20 min
@@ -39,7 +39,7 @@ def test_changed_files_select_the_tests_that_import_them():
 def test_profile_table_groups_tests_by_kind():
     from _profile import kind_of, table
 
-    rows = [{"nodeid": "tests/test_notebooks.py::test_notebook_runs_in_smoke_profile[notebooks/a.ipynb-smoke]",
+    rows = [{"nodeid": "tests/test_notebooks.py::test_notebook_runs_in_smoke_profile[notebooks/a.ipynb]",
              "slow": True, "wall": 100.0, "cpu_self": 1.0, "cpu_children": 150.0, "procs": 9},
             {"nodeid": "tests/test_budget.py::test_x", "slow": False, "wall": 0.5, "cpu_self": 0.5,
              "cpu_children": 0.0, "procs": 0},
