@@ -289,6 +289,9 @@ def test_each_trick_scores_zero_with_and_without_execute_and_honest_work_full_ma
         assert _code_scores(row) == {"model_state_bytes": "0/12", "measure_state_bytes": "0/6"}, row
     for name in (*LEAKS, "read_autograder"):
         assert _code_scores(recorded[name]) == {"model_state_bytes": "0/12", "measure_state_bytes": "0/6"}
+    # its last cell writes into the kernel's own sockets and exits: graded as a dead kernel at once, not as a
+    # timeout 10 minutes later (jupyter_client's heartbeat stop waited forever: sandbox._bounded_heartbeat_stop)
+    assert "the kernel died" in executed["all_tricks"]["detail"], executed["all_tricks"]
     # The unmodified solution notebook, re-executed in the sandbox: its ex.check cells leave the tests to the
     # grader, every recorded check and every code test passes.
     full = executed["honest_full"]

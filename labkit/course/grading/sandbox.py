@@ -221,11 +221,30 @@ def _apply_limits(memory_bytes: int, file_bytes: int, tasks: int = 0) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
+def _bounded_heartbeat_stop() -> None:
+    """jupyter_client (8.10) stops its heartbeat channel by joining the thread with no timeout. When the kernel
+    died in the middle of a ping (a notebook that wrote into its own sockets and exited) that thread awaits a
+    reply no peer will send, so nbclient's cleanup after DeadKernelError -- and this executor -- hung until the
+    hard timeout: 10 minutes, reported as 'timeout' where the kernel had died. The thread is a daemon: wait a
+    few heartbeats for it, then leave it to the process's exit (`os._exit` below: no atexit waits on it)."""
+    from jupyter_client.channels import HBChannel
+
+    def stop(self) -> None:
+        self._running = False
+        self._exit.set()
+        self.join(timeout=5 * self.time_to_dead)
+        if not self.is_alive():
+            self.close()
+
+    HBChannel.stop = stop
+
+
 def _run(args: argparse.Namespace, src: Path, dst: Path) -> dict[str, Any]:
     import papermill as pm
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
     from papermill.exceptions import PapermillExecutionError
 
+    _bounded_heartbeat_stop()
     try:
         pm.execute_notebook(str(src), str(dst), parameters=json.loads(args.parameters),
                             kernel_name=args.kernel, progress_bar=False, cwd=str(args.scratch / "cwd"),
@@ -314,4 +333,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # reported already; a heartbeat thread left behind (see _bounded_heartbeat_stop) must not hold the exit
