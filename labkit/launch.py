@@ -7,8 +7,9 @@ stops the surviving ranks when one fails, and a wall-clock timeout (or Ctrl-C / 
 interrupt button) kills the whole process tree, SIGTERM first and SIGKILL after a grace period
 (a short one on interrupt: control is back within seconds). A run that may hang on purpose (a
 lesson's skipped collective) gives `hang_timeout_s`: that clock starts once every rank has called
-`rank_ready()` (imports and process group done), so a busy machine's slow start-up never eats it. If the launcher itself dies without
-cleaning up (SIGKILL, a kernel restart), `labkit.rank_guard` takes torchrun and every rank down with it.
+`rank_ready()` (imports and process group done), so a busy machine's slow start-up never eats it.
+If the launcher itself dies without cleaning up (SIGKILL, a kernel restart), `labkit.rank_guard`
+takes torchrun and every rank down with it.
 
 Rank logs: torchrun's `--log-dir` + `--redirects 3` writes `<log_dir>/<run_id>_*/attempt_0/<local_rank>/`
 `{stdout.log, stderr.log, error.json}`; `error.json` exists when the entry point is decorated with

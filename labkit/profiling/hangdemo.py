@@ -1,15 +1,15 @@
 """A deliberate hang, and how to find it: one rank skips a collective (notebook 09_beyond_3d).
 
 Run on ranks as `python -m labkit.profiling.hangdemo --skip-rank 1 --skip-step 2` (through `labkit.launch.run`
-with a short `hang_timeout_s`: counted from when both ranks are up, `launch.rank_ready()`). Every step all-reduces the loss for logging; the skipping rank "forgets"
-that all-reduce at one step -- the classic bug of a collective inside a branch that not all ranks
-take -- and goes on to the end-of-run barrier. Its peer waits in the all-reduce forever: gloo and
+with a short `hang_timeout_s`: counted from when both ranks are up, `launch.rank_ready()`). Every step
+all-reduces the loss for logging; the skipping rank "forgets" that all-reduce at one step -- the classic
+bug of a collective inside a branch that not all ranks take -- and goes on to the end-of-run barrier. Its peer waits in the all-reduce forever: gloo and
 NCCL have no idea the other rank will never come (their own timeouts default to 30-10 minutes).
 
 What finds it on CPU: every rank arms `faulthandler.dump_traceback_later(dump_after_s)`, which prints
 all of its threads' Python stacks to its stderr log if the run is still going then, dumps them again
-when the launcher stops it (SIGTERM), and registers SIGUSR1 for an on-demand dump (`kill -USR1 <pid>`: what `py-spy dump --pid <pid>` gives without a
-handler, when ptrace is allowed). `stuck_frames(log_root)` reads those dumps back: per rank, the
+when the launcher stops it (SIGTERM), and registers SIGUSR1 for an on-demand dump (`kill -USR1 <pid>`:
+what `py-spy dump --pid <pid>` gives without a handler, when ptrace is allowed). `stuck_frames(log_root)` reads those dumps back: per rank, the
 innermost frame of this program's main thread. On GPUs, see docs/beyond_3d.md (NCCL flight recorder,
 TORCH_DISTRIBUTED_DEBUG=DETAIL, NCCL_DEBUG=INFO).
 """
