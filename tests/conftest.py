@@ -95,3 +95,32 @@ def live_children() -> list:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+@pytest.fixture
+def warm_ranks(monkeypatch):
+    """This test's `labkit.train.run` / `run_many` / `run_together` of 2 ranks go to warm ranks
+    (`labkit.rank_pool`), which stay up for the next test of this worker that asks for them: only the
+    first such run of a worker pays torchrun and two ranks importing torch and transformers (~25 CPU s).
+
+    For tests that check a strategy's numbers, not the cold launch: `labkit.launch` keeps its own tests
+    (test_launch.py), and labkit.train's cold launch stays tested wherever this fixture is not asked for
+    (test_ddp, test_many, test_peft, ...). The pool dies with pytest (rank_pool's atexit and parent-death
+    links), and before any test of a file that checks this process's children (`_no_idle_warm_ranks`)."""
+    from labkit import rank_pool
+
+    monkeypatch.setenv(rank_pool.ENV_SWITCH, "1")
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _no_idle_warm_ranks(request):
+    """A file that checks this process's children (it imports `live_children`) starts its tests with no
+    warm ranks left idle by an earlier test's `warm_ranks`."""
+    import sys
+
+    pool = sys.modules.get("labkit.rank_pool")
+    if (pool is not None and "warm_ranks" not in request.fixturenames
+            and getattr(request.module, "live_children", None) is live_children):
+        pool.close_pool()
+    yield

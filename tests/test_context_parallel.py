@@ -67,7 +67,7 @@ def test_check_refuses_what_it_cannot_run():
 
 
 @pytest.mark.slow
-def test_context_parallel_through_the_training_loop(tmp_path):
+def test_context_parallel_through_the_training_loop(tmp_path, warm_ranks):
     from labkit.train import run
 
     common = dict(profile="smoke", steps=3, out=str(tmp_path), eval_batches=1, progress=False)

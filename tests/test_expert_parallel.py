@@ -62,7 +62,7 @@ def test_estimator_divides_expert_states_by_ep_only():
 
 
 @pytest.mark.slow
-def test_expert_parallel_through_the_training_loop(tmp_path):
+def test_expert_parallel_through_the_training_loop(tmp_path, warm_ranks):
     """Loss for loss equal to single; each rank holds half the expert bytes, as the estimator says;
     its checkpoint (expert shards saved as DTensors) resumes in a single process."""
     from labkit.memory.estimate import MemoryConfig, estimate

@@ -44,6 +44,7 @@ REPEAT = range(int(os.environ.get("LABKIT_LAUNCH_REPEAT", "1")))
 SLOW_S = 180
 #: The issue's promise: after an interrupt or the launcher's death, every rank is gone within this.
 GONE_S = 10
+NOISE = "is an Enum subclass"  # torchao's import-time deprecation, logged by torch's pytree
 
 
 def rank_pids(pid_dir: Path) -> list[int]:
@@ -173,11 +174,12 @@ def test_timeout_kills_every_rank(target_env, pid_dir, log_dir, monkeypatch):
 
 
 @pytest.mark.slow
-def test_success_returns_and_streams_rank0_output_after_a_taken_rendezvous_port(target_env, pid_dir, log_dir,
-                                                                                   monkeypatch, capsys):
+def test_success_streams_rank0_output_after_a_taken_port_and_drops_import_noise(target_env, pid_dir, log_dir,
+                                                                                 monkeypatch, capsys):
     # Two test workers launching at once can both be handed one port by free_port(); the second store fails,
-    # before any rank starts: it is retried on a new one, and that launch is an ordinary success (one launch
-    # for both checks).
+    # before any rank starts: it is retried on a new one, and that launch is an ordinary success. One launch
+    # for three checks: the retry, rank 0's live output, and (target `noisy`) third-party import noise
+    # dropped from every rank's output while our own warnings stay.
     import socket
 
     real = launch.free_port
@@ -186,13 +188,17 @@ def test_success_returns_and_streams_rank0_output_after_a_taken_rendezvous_port(
         taken.listen()
         first = iter([taken.getsockname()[1]])
         monkeypatch.setattr(launch, "free_port", lambda host="127.0.0.1": next(first, None) or real(host))
-        result = launch.run(TARGET, ["ok"], nproc=2, env=target_env, log_dir=log_dir, timeout_s=SLOW_S)
+        result = launch.run(TARGET, ["noisy"], nproc=2, env=target_env, log_dir=log_dir, timeout_s=SLOW_S)
     assert next(first, None) is None  # the taken port was tried
     assert result.returncode == 0
     assert "rank 0 of 2: sum=3" in result.output
     assert "rank 1" not in result.output  # only rank 0 is shown ...
     assert "rank 1 of 2: sum=3" in (Path(result.log_dir) / "1" / "stdout.log").read_text()  # ... all are logged
     assert "rank 0 of 2: sum=3" in capsys.readouterr().out
+    rank1 = (Path(result.log_dir) / "1" / "stderr.log").read_text()
+    for text in (result.output, rank1):
+        assert NOISE not in text
+        assert "a warning of our own stays visible" in text
     assert_nothing_left(pid_dir)
 
 
@@ -348,34 +354,18 @@ def test_two_nodes_meet_and_node0_holds_rank0(attempt, target_env, pid_dir, log_
     assert_nothing_left(pid_dir)
 
 
-NOISE = "is an Enum subclass"  # torchao's import-time deprecation, logged by torch's pytree
-
-
 @pytest.mark.slow
-def test_ranks_drop_third_party_import_noise_and_keep_our_warnings(target_env, pid_dir, log_dir):
-    result = launch.run(TARGET, ["noisy"], nproc=2, env=target_env, log_dir=log_dir, timeout_s=SLOW_S, stream=False)
-    rank1 = (Path(result.log_dir) / "1" / "stderr.log").read_text()
-    for text in (result.output, rank1):
-        assert NOISE not in text
-        assert "a warning of our own stays visible" in text
-    assert "rank 0 of 2: sum=3" in result.output
-
-
-@pytest.mark.slow
-def test_notebook_drops_third_party_import_noise(run_cells):
-    nb = run_cells("import labkit\nimport peft\nprint('imported')")
-    text = stream_text(nb.cells[0])
-    assert "imported" in text and NOISE not in text
-
-
-@pytest.mark.slow
-def test_rank0_output_shows_in_a_notebook_cell(run_cells, target_env, log_dir):
+def test_notebook_drops_import_noise_and_shows_rank0_output_in_its_cell(run_cells, target_env, log_dir):
+    # one kernel for both checks (a kernel is a Python process importing labkit)
     env = {k: v for k, v in target_env.items() if k == "PYTHONPATH"}
-    nb = run_cells(f"from labkit import launch\n"
+    nb = run_cells("import labkit\nimport peft\nprint('imported')",
+                   f"from labkit import launch\n"
                    f"result = launch.run({TARGET!r}, ['ok'], nproc=2, env={env!r}, timeout_s=120,\n"
                    f"                    log_dir={log_dir!r})\n"
                    f"print('returncode', result.returncode)")
     text = stream_text(nb.cells[0])
+    assert "imported" in text and NOISE not in text
+    text = stream_text(nb.cells[1])
     assert "rank 0 of 2: sum=3" in text and "returncode 0" in text
 
 

@@ -178,7 +178,7 @@ def test_config_checks():
 
 
 @pytest.mark.slow
-def test_pipeline_through_the_training_loop(tmp_path):
+def test_pipeline_through_the_training_loop(tmp_path, warm_ranks):
     from labkit.viz.pipeline_schedule import plot_schedule, trace_of
     from labkit.train import run
 

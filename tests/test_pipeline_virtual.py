@@ -41,7 +41,7 @@ def test_config_checks_name_the_fix():
 
 
 @pytest.mark.slow
-def test_both_schedules_match_single_through_the_training_loop(tmp_path):
+def test_both_schedules_match_single_through_the_training_loop(tmp_path, warm_ranks):
     from labkit.parallel.studies import run_together
     from labkit.viz.pipeline_schedule import plot_schedule, trace_of
     from labkit.train import run

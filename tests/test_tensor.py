@@ -161,7 +161,7 @@ def test_tp_degree_must_divide_the_heads():
 
 
 @pytest.mark.slow
-def test_tensor_fsdp_through_the_training_loop(tmp_path):
+def test_tensor_fsdp_through_the_training_loop(tmp_path, warm_ranks):
     from labkit.train import run
 
     common = dict(profile="smoke", steps=3, out=str(tmp_path), eval_batches=1, progress=False)
