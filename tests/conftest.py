@@ -12,6 +12,10 @@ import pytest
 # Tests run ranks and kernels on a shared 2-core machine: one thread each, no GUI backend.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
+# Notebook kernels are forked from a zygote that imported torch and transformers once per environment
+# (labkit.course.warm_kernels: ~10 CPU s saved per kernel, ~70 kernels in make test); LABKIT_WARM_KERNELS=0
+# runs every kernel cold, as a student's and the grader's are.
+os.environ.setdefault("LABKIT_WARM_KERNELS", "1")
 # labkit's cache (measured bandwidth / matmul efficiency, decoded images) is per test session: a file a
 # developer's `labkit preflight` or `labkit bench comm` left in ~/.cache/labkit must not change results.
 os.environ["LABKIT_CACHE"] = tempfile.mkdtemp(prefix="labkit-test-cache-")
@@ -65,8 +69,11 @@ def run_cells(tmp_path):
         nb = nbformat.v4.new_notebook()
         nb.metadata["kernelspec"] = {"name": KERNEL, "display_name": "labkit (Python 3)", "language": "python"}
         nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
+        from labkit.course import warm_kernels
+
+        warm = {"kernel_manager_class": warm_kernels.manager_class()} if warm_kernels.enabled() else {}
         client = nbclient.NotebookClient(nb, kernel_name=KERNEL, timeout=timeout,
-                                         resources={"metadata": {"path": str(tmp_path)}})
+                                         resources={"metadata": {"path": str(tmp_path)}}, **warm)
         client.execute()
         return nb
 
@@ -83,13 +90,17 @@ def live_children() -> list:
 
     Python's multiprocessing resource tracker is not counted: `mp.spawn` (tests/_reference.py) starts it
     once per interpreter as a child of pytest, and it lives, idle, until pytest exits. It is Python's,
-    not a labkit process, and no labkit code starts it."""
+    not a labkit process, and no labkit code starts it. Nor are the warm-kernel zygotes (idle between
+    notebooks, they live until pytest exits: labkit.course.warm_kernels); a kernel one forked is counted."""
     import psutil
 
+    from labkit.course import warm_kernels
+
+    zygotes = set(warm_kernels.zygote_pids())
     out = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.status() != psutil.STATUS_ZOMBIE and not any(
+            if child.status() != psutil.STATUS_ZOMBIE and child.pid not in zygotes and not any(
                     "multiprocessing.resource_tracker" in part for part in child.cmdline()):
                 out.append(child)
         except psutil.NoSuchProcess:

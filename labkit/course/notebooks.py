@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from labkit.course import warm_kernels
 from labkit.errors import ConfigError, NotebookError
 from labkit.launch import environ
 from labkit.profiles import get_profile
@@ -217,12 +218,15 @@ def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: st
         from labkit.course import rehearse as rehearsal_log
         log = out.with_suffix(".rehearsal.jsonl")
         env.update(rehearsal_log.environment(log, profile))
+    warm = {}
+    if warm_kernels.enabled():  # make test: the kernel forked from a zygote that imported torch once
+        warm = {"kernel_manager_class": warm_kernels.manager_class()}
     start, cpu_start = time.perf_counter(), _children_cpu()
     try:
         with environ(**env):
             papermill.execute_notebook(str(src), str(out), parameters=params, kernel_name=kernel,
                                        cwd=str(src.parent), progress_bar=False,
-                                       execution_timeout=timeout_s)
+                                       execution_timeout=timeout_s, **warm)
     except PapermillExecutionError as exc:
         fail = dict(index=exc.cell_index, ename=exc.ename, evalue=exc.evalue, tb="\n".join(exc.traceback))
     except Exception as exc:  # noqa: BLE001 - timeouts, dead kernels, unknown kernels: still a failed run
@@ -248,11 +252,12 @@ def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: st
 
 
 def _children_cpu() -> float:
-    """User + system CPU seconds of this process's reaped children (a kernel, and what it reaped)."""
+    """User + system CPU seconds of this process's reaped children (a kernel, and what it reaped), and of
+    the warm kernels its zygotes reaped (labkit.course.warm_kernels: not this process's children)."""
     import resource
 
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime + usage.ru_stime + warm_kernels.reaped_cpu()
 
 
 def run_notebooks(names: Sequence[str] | None = None, *, profile: str = "smoke",
