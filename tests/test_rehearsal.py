@@ -6,7 +6,7 @@
   on cuda:r, nccl groups, cuda meshes, fp32 really fp32), and the runs it makes are the manifest's
   (`labkit/data/lab_runs.json`, which `labkit.course.profile_check.lab_runs` reads).
 - A GPU-only cell that raises, and a run the node cannot hold, fail a rehearsal in one line.
-Adding a profile to `make test`'s rehearsal is one line: `REHEARSED` (or `FREE_GPU` for part of its notebooks).
+Adding a profile to `make test`'s rehearsal is one line: `REHEARSED`.
 """
 from __future__ import annotations
 
@@ -28,26 +28,12 @@ from labkit.train import stand_in
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-#: The profiles `make test` rehearses (a100x1 is rehearsed by hand: `make rehearse PROFILE=a100x1`).
-REHEARSED = ("a100x4", "h100x1", "v100x4")
-#: The free-GPU profiles (issue #29: Colab's one T4, Kaggle's two), rehearsed in `make test` only where
-#: their code differs from what REHEARSED's rehearsals already execute; all ten notebooks rehearse on both
-#: by hand (`make rehearse PROFILE=t4x2`, with --write-manifest: 330 CPU s for t4x2, 120 for t4x1).
-#: - t4x1, the six 2-GPU labs: each stops at its first cell (NeedsMoreGPUs, ~2 CPU s each): the whole of
-#:   what t4x1 runs in them.
-#: - 06_peft on t4x1: the only T4 branch of a single-GPU lab (TinyLlama under the T4's own 16 GB, not 7B
-#:   under a 24 GB cap). 06 never reads nproc, so t4x2's 06 is the same code; the manifest test below checks
-#:   the two profiles' 02 and 06 rows are equal. 02 is fp16 + GradScaler on one GPU as on v100x4; 00 and
-#:   01 take v100x4's branches at other sizes.
-#: - 04_fsdp on t4x2: the only T4 branch of a 2-GPU lab (TinyLlama's DDP-OOMs/FSDP-fits pair on two 16 GB
-#:   T4s), and the 160M Llama every t4x2 LLM lab trains, FSDP-wrapped, on 2 nccl ranks. 03, 05, 07, 08 and
-#:   09 take v100x4's branches (fp16; fp32 for the pipelines) with 2 ranks for 4: no line of theirs runs
-#:   only on a T4.
-#: Every t4 run of every notebook is still sized against the estimator in make test (pure Python: the
-#: manifest test); a change to a notebook that alters its t4 runs shows when it is rehearsed by hand.
-FREE_GPU = {"t4x1": ("03_ddp", "04_fsdp", "05_zero", "06_peft", "07_model_parallel", "08_profiling_and_stacking",
-                     "09_beyond_3d"),
-            "t4x2": ("04_fsdp",)}
+#: The profiles `make test` rehearses, every notebook each (a100x1 is rehearsed by hand:
+#: `make rehearse PROFILE=a100x1`). The free-GPU ones (issue #29: Colab's one T4, Kaggle's two) too: on t4x1
+#: the six 2-GPU labs stop at their first cell (NeedsMoreGPUs, ~2 CPU s each), which is the whole of what
+#: t4x1 runs in them; t4x2 runs every lab on 2 ranks in fp16. With warm kernels (tests/conftest.py) their
+#: 12 notebooks beyond those that differ from the course profiles' cost ~4 minutes of one worker.
+REHEARSED = ("a100x4", "h100x1", "v100x4", "t4x1", "t4x2")
 EXECUTED = ROOT / "build" / "rehearsed"
 
 
@@ -271,7 +257,7 @@ def test_deepspeed_fp16_runs_bf16_on_the_stand_in_and_the_record_says_so(rehears
     assert stand_in_precision(config, "zero2") == (config, "")  # fp16 where the CPU has it
 
 
-@pytest.mark.parametrize("profile", REHEARSED + ("a100x1",) + tuple(FREE_GPU))
+@pytest.mark.parametrize("profile", REHEARSED + ("a100x1",))
 def test_every_lab_run_of_the_manifest_fits_its_node_by_the_estimator(profile):
     """The runs the notebooks make on `profile` (observed by rehearsing them) at their real size: each fits
     the profile's headroom and GPU count, except a lesson's deliberate out-of-memory run (04's DDP)."""
@@ -379,9 +365,7 @@ def _rehearse(path: Path, profile: str) -> nbk.NotebookRun:
     return nbk.run_notebook(path, profile=profile, out_dir=EXECUTED / profile, rehearse=True)
 
 
-CASES = [pytest.param(p, profile, id=f"{p.stem}-{profile}") for profile in REHEARSED for p in NOTEBOOKS] + [
-    pytest.param(p, profile, id=f"{p.stem}-{profile}") for profile, names in FREE_GPU.items() for p in NOTEBOOKS
-    if p.stem in names]
+CASES = [pytest.param(p, profile, id=f"{p.stem}-{profile}") for profile in REHEARSED for p in NOTEBOOKS]
 
 
 @pytest.mark.slow
@@ -455,7 +439,7 @@ def test_the_manifest_holds_every_rehearsed_profile_and_lab_runs_reads_it():
     from labkit.course import profile_check as pc
 
     manifest = rehearse.load_manifest()
-    assert set(REHEARSED) | {"a100x1"} | set(FREE_GPU) <= set(manifest)
+    assert set(REHEARSED) | {"a100x1"} <= set(manifest)
     for name in manifest:
         runs = pc.lab_runs(get_profile(name))
         assert runs and all(len(r) == 5 and r[4]["nproc"] >= 1 for r in runs)
@@ -501,10 +485,10 @@ def test_every_strategy_a_lab_trains_in_bf16_communicates_over_real_ranks(tmp_pa
             assert rec.losses[0] == pytest.approx(ref, rel=0.02), (name, rec.losses[0], ref)
 
 
-def test_the_t4_manifest_backs_the_free_gpu_rehearsals_of_make_test():
-    """FREE_GPU's argument, checked: t4x1 runs no run of a 2-GPU lab; its 02 and 06 runs are t4x2's (so
-    rehearsing 06 on one covers both); and on a 16 GB T4, 06's lesson holds at the real size (the full
-    fine-tune runs out of memory, LoRA and QLoRA fit: a 24 GB cap there would have hidden it)."""
+def test_the_t4_manifest_holds_the_free_gpu_lessons():
+    """t4x1 runs no run of a 2-GPU lab; its 02 and 06 runs are t4x2's (06 never reads nproc); and on a 16 GB
+    T4, 06's lesson holds at the real size (the full fine-tune runs out of memory, LoRA and QLoRA fit: a
+    24 GB cap there would have hidden it)."""
     one, two = (rehearse.manifest_rows(p) for p in ("t4x1", "t4x2"))
     assert {r["lab"] for r in one} == {"02_single_gpu", "06_peft"}  # 00 and 01 make no training run
     assert [r for r in two if r["lab"] in ("02_single_gpu", "06_peft")] == one

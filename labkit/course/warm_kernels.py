@@ -16,8 +16,8 @@ What a fork could share, and why it does not leak:
   when imported (huggingface_hub's HF_HUB_OFFLINE and HF_HOME, matplotlib's MPLBACKEND, torch's
   OMP_NUM_THREADS) saw the kernel's own values: a zygote serves only kernels whose environment equals its
   own apart from VOLATILE keys (LABKIT_*, JPY_*, PYTEST_*); another environment gets another zygote.
-  DeepSpeed, bitsandbytes and peft are not preloaded: labkit sets DS_ACCELERATOR before importing
-  DeepSpeed, and bitsandbytes picks its backend when imported.
+  DeepSpeed is preloaded only where the environment already sets DS_ACCELERATOR (a rehearsal's): labkit
+  sets it in-process before importing DeepSpeed, after a zygote would have imported it.
 - numpy's global random state is reseeded in each child (Python's `random` reseeds itself at fork).
 - Nothing runs in the zygote but imports, so no thread, lock or OpenMP pool is held at the fork.
 No process outlives its owner: the owner holds the zygote's request pipe; when the owner exits or is
@@ -47,7 +47,10 @@ SWITCH_ENV = "LABKIT_WARM_KERNELS"
 #: What a zygote imports before it forks any kernel: third-party modules every lab kernel imports.
 PRELOAD = ("numpy", "torch", "torch.distributed", "torchvision", "transformers",
            "transformers.models.llama.modeling_llama", "matplotlib", "matplotlib.pyplot",
-           "matplotlib_inline.backend_inline", "ipykernel.kernelapp", "ipykernel.ipkernel")
+           "matplotlib_inline.backend_inline", "ipykernel.kernelapp", "ipykernel.ipkernel", "bitsandbytes", "peft")
+#: Preloaded only when the zygote's environment (= its kernels') names the variable the module reads when
+#: imported: DeepSpeed picks its accelerator then, and labkit sets DS_ACCELERATOR=cpu only before importing it.
+PRELOAD_IF_SET = {"deepspeed": "DS_ACCELERATOR"}
 #: Environment variables a zygote may differ in from the kernels it forks (read at run time, never at import).
 VOLATILE = ("LABKIT_", "JPY_", "PYTEST_")
 #: Zygotes kept at once per owner (one per environment; the oldest idle one goes first).
@@ -257,7 +260,7 @@ def manager_class():
 
 # ------------------------------------------------------------------------------------ the zygote
 def _zygote(req_fd: int, rep_fd: int) -> None:
-    for name in PRELOAD:
+    for name in PRELOAD + tuple(m for m, var in PRELOAD_IF_SET.items() if os.environ.get(var)):
         try:
             __import__(name)
         except Exception:  # noqa: BLE001 - a module that fails here fails (and reports) in the kernel itself

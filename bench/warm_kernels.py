@@ -1,0 +1,69 @@
+"""What does a warm (forked) notebook kernel save? Prints CPU seconds per kernel, cold and warm, and their ratio.
+
+A one-cell notebook that imports what every lab kernel imports (torch, transformers' Llama, matplotlib)
+runs `--kernels` times with cold kernels (LABKIT_WARM_KERNELS=0: `python -m ipykernel_launcher` each time)
+and `--kernels` times with warm ones (forked from labkit.course.warm_kernels' zygote), alternating, in one
+run. CPU seconds are the kernels' (and, for warm, the zygote's one-off imports, shown apart), measured as
+this process's reaped children plus what the zygote reports; wall seconds are printed too.
+
+    python bench/warm_kernels.py [--kernels 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CELL = "import torch, transformers.models.llama.modeling_llama, matplotlib.pyplot\nprint(torch.__version__)"
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", type=int, default=3)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    from labkit.course import notebooks as nbk
+    from labkit.course import warm_kernels
+
+    work = Path(tempfile.mkdtemp(prefix="bench-warm-"))
+    import nbformat
+
+    path = work / "probe.ipynb"
+    nbformat.write(nbk.build_notebook("probe", [CELL]), path)
+    def once(mode: str, name: str) -> tuple[float, float]:
+        os.environ[warm_kernels.SWITCH_ENV] = "1" if mode == "warm" else "0"
+        before, start = _cpu() + warm_kernels.reaped_cpu(), time.perf_counter()
+        run = nbk.run_notebook(path, out_dir=work / name)
+        if not run.ok:
+            sys.exit(f"{mode} kernel failed: {run.describe()}")
+        return _cpu() + warm_kernels.reaped_cpu() - before, time.perf_counter() - start
+
+    _, first_wall = once("warm", "first")  # starts the zygote: its imports are counted when it is reaped
+    rows = {"cold": [], "warm": []}
+    for i in range(args.kernels):  # alternating, so a change in the machine's load hits both
+        for mode in ("cold", "warm"):
+            rows[mode].append(once(mode, f"{mode}-{i}"))
+    before = _cpu()
+    warm_kernels.shutdown()
+    zygote = _cpu() - before
+    for mode, runs in rows.items():
+        print(f"{mode}: CPU s per kernel {[round(c, 1) for c, _ in runs]}, wall s {[round(w, 1) for _, w in runs]}")
+    print(f"zygote: {zygote:.1f} CPU s of imports, once per environment (first warm kernel, zygote start "
+          f"included: {first_wall:.1f} s wall)")
+    cold, warm = (sum(c for c, _ in rows[m]) / args.kernels for m in ("cold", "warm"))
+    print(f"warm / cold CPU s per kernel: {warm / cold:.2f} ({warm:.1f} / {cold:.1f}); "
+          f"break-even after {zygote / max(cold - warm, 1e-9):.1f} kernels per environment")
+
+
+if __name__ == "__main__":
+    main()
