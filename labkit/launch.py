@@ -233,7 +233,10 @@ class _RankTail(threading.Thread):
 
 
 def kill_tree(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
-    """SIGTERM torchrun and every descendant (ranks run in their own sessions), SIGKILL what survives."""
+    """SIGTERM every descendant of torchrun (ranks run in their own sessions), then torchrun, SIGKILL what
+    survives. The ranks go first: what a rank does on SIGTERM (a stack dump into its log: the hang demo,
+    labkit.profiling.hangdemo) must finish before torchrun's exit trips its parent-death guard
+    (labkit.rank_guard), which SIGKILLs it -- a loaded CI machine cut a dump in half that way."""
     import psutil
 
     try:
@@ -241,8 +244,10 @@ def kill_tree(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
         procs += procs[0].children(recursive=True)
     except psutil.NoSuchProcess:
         procs = []
-    _signal_groups(procs, signal.SIGTERM)
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    _signal_groups(procs[1:], signal.SIGTERM)
+    _, ranks_alive = psutil.wait_procs(procs[1:], timeout=grace_s)
+    _signal_groups(procs[:1] + ranks_alive, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs[:1] + ranks_alive, timeout=grace_s)
     _signal_groups(alive, signal.SIGKILL)
     for p in alive:
         try:
