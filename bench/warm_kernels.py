@@ -15,15 +15,9 @@ import os
 import resource
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 CELL = "import torch, transformers.models.llama.modeling_llama, matplotlib.pyplot\nprint(torch.__version__)"
-
-
-def _cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -32,30 +26,33 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MPLBACKEND", "Agg")
+    import nbformat
+
     from labkit.course import notebooks as nbk
     from labkit.course import warm_kernels
 
-    work = Path(tempfile.mkdtemp(prefix="bench-warm-"))
-    import nbformat
+    with tempfile.TemporaryDirectory(prefix="bench-warm-") as tmp:
+        work = Path(tmp)
+        path = work / "probe.ipynb"
+        nbformat.write(nbk.build_notebook("probe", [CELL]), path)
 
-    path = work / "probe.ipynb"
-    nbformat.write(nbk.build_notebook("probe", [CELL]), path)
-    def once(mode: str, name: str) -> tuple[float, float]:
-        os.environ[warm_kernels.SWITCH_ENV] = "1" if mode == "warm" else "0"
-        before, start = _cpu() + warm_kernels.reaped_cpu(), time.perf_counter()
-        run = nbk.run_notebook(path, out_dir=work / name)
-        if not run.ok:
-            sys.exit(f"{mode} kernel failed: {run.describe()}")
-        return _cpu() + warm_kernels.reaped_cpu() - before, time.perf_counter() - start
+        def once(mode: str, name: str) -> tuple[float, float]:
+            """(CPU s, wall s) of one kernel: run_notebook counts a warm kernel's CPU as its zygote reports it."""
+            os.environ[warm_kernels.SWITCH_ENV] = "1" if mode == "warm" else "0"
+            run = nbk.run_notebook(path, out_dir=work / name)
+            if not run.ok:
+                sys.exit(f"{mode} kernel failed: {run.describe()}")
+            return run.cpu_seconds, run.seconds
 
-    _, first_wall = once("warm", "first")  # starts the zygote: its imports are counted when it is reaped
-    rows = {"cold": [], "warm": []}
-    for i in range(args.kernels):  # alternating, so a change in the machine's load hits both
-        for mode in ("cold", "warm"):
-            rows[mode].append(once(mode, f"{mode}-{i}"))
-    before = _cpu()
-    warm_kernels.shutdown()
-    zygote = _cpu() - before
+        _, first_wall = once("warm", "first")  # starts the zygote: its imports are counted when it is reaped
+        rows = {"cold": [], "warm": []}
+        for i in range(args.kernels):  # alternating, so a change in the machine's load hits both
+            for mode in ("cold", "warm"):
+                rows[mode].append(once(mode, f"{mode}-{i}"))
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        warm_kernels.shutdown()  # reaps the zygote: its own CPU is the difference
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        zygote = after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime
     for mode, runs in rows.items():
         print(f"{mode}: CPU s per kernel {[round(c, 1) for c, _ in runs]}, wall s {[round(w, 1) for _, w in runs]}")
     print(f"zygote: {zygote:.1f} CPU s of imports, once per environment (first warm kernel, zygote start "

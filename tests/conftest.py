@@ -71,9 +71,9 @@ def run_cells(tmp_path):
         nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
         from labkit.course import warm_kernels
 
-        warm = {"kernel_manager_class": warm_kernels.manager_class()} if warm_kernels.enabled() else {}
         client = nbclient.NotebookClient(nb, kernel_name=KERNEL, timeout=timeout,
-                                         resources={"metadata": {"path": str(tmp_path)}}, **warm)
+                                         resources={"metadata": {"path": str(tmp_path)}},
+                                         **warm_kernels.client_options())
         client.execute()
         return nb
 

@@ -218,15 +218,13 @@ def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: st
         from labkit.course import rehearse as rehearsal_log
         log = out.with_suffix(".rehearsal.jsonl")
         env.update(rehearsal_log.environment(log, profile))
-    warm = {}
-    if warm_kernels.enabled():  # make test: the kernel forked from a zygote that imported torch once
-        warm = {"kernel_manager_class": warm_kernels.manager_class()}
     start, cpu_start = time.perf_counter(), _children_cpu()
     try:
         with environ(**env):
             papermill.execute_notebook(str(src), str(out), parameters=params, kernel_name=kernel,
                                        cwd=str(src.parent), progress_bar=False,
-                                       execution_timeout=timeout_s, **warm)
+                                       execution_timeout=timeout_s,
+                                       **warm_kernels.client_options())  # make test: forked kernels
     except PapermillExecutionError as exc:
         fail = dict(index=exc.cell_index, ename=exc.ename, evalue=exc.evalue, tb="\n".join(exc.traceback))
     except Exception as exc:  # noqa: BLE001 - timeouts, dead kernels, unknown kernels: still a failed run

@@ -57,7 +57,6 @@ VOLATILE = ("LABKIT_", "JPY_", "PYTEST_")
 MAX_ZYGOTES = 2
 _MODULE = "labkit.course.warm_kernels"
 _LAUNCHER = "ipykernel_launcher"
-_POLL_S = 0.02
 
 
 def enabled() -> bool:
@@ -231,6 +230,11 @@ def fork_kernel(cmd: list[str], env: dict[str, str], cwd: str) -> ForkedKernel |
                 _ZYGOTES.pop(idle.pop(0)).close()
             zygote = _ZYGOTES[key] = _Zygote(list(cmd[:at]), dict(env), cwd)
     return zygote.fork(cmd[at + 1:], dict(env), cwd)
+
+
+def client_options() -> dict[str, Any]:
+    """Keyword arguments for papermill / nbclient: the warm kernel manager when enabled(), else none."""
+    return {"kernel_manager_class": manager_class()} if enabled() else {}
 
 
 def manager_class():
