@@ -13,7 +13,8 @@ ppid 1, holding the GPUs. Two links prevent that:
    rank sets the same parent-death signal against torchrun, checks torchrun is still its parent
    (it could have died before the prctl), starts a watchdog thread that kills the rank when its
    parent changes (a second line where prctl is unavailable), quietens third-party import noise
-   (`labkit.quiet`), and runs MODULE as `__main__`.
+   (`labkit.quiet`), and runs MODULE as `__main__`. (In the test suite it may instead stand in for a
+   rank forked from a warm zygote: labkit.rank_zygote.)
 Introduced in notebook 03_ddp.
 """
 from __future__ import annotations
@@ -88,18 +89,29 @@ def guard_rank() -> None:
     watch_parent(int(parent))
 
 
-def main(argv: list[str]) -> None:
-    """`python -m labkit.rank_guard MODULE ARGS...`: guard, quieten, then run MODULE as __main__."""
+def run_rank(argv: list[str]) -> None:
+    """Quieten third-party import noise, then run MODULE (argv[0]) with its ARGS as `__main__`."""
     import runpy
 
     from labkit import quiet
 
-    if not argv:
-        raise SystemExit("usage: python -m labkit.rank_guard MODULE [ARGS...]")
-    guard_rank()
     quiet.install()
     sys.argv = [argv[0], *argv[1:]]
     runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+
+
+def main(argv: list[str]) -> None:
+    """`python -m labkit.rank_guard MODULE ARGS...`: guard, quieten, then run MODULE as __main__ -- or, in
+    the test suite (labkit.rank_zygote), have a warm zygote fork the rank and stand in for it."""
+    if not argv:
+        raise SystemExit("usage: python -m labkit.rank_guard MODULE [ARGS...]")
+    guard_rank()
+    from labkit import rank_zygote
+
+    code = rank_zygote.delegate(argv)
+    if code is not None:
+        rank_zygote.exit_like(code)
+    run_rank(argv)
 
 
 if __name__ == "__main__":

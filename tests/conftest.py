@@ -16,6 +16,11 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 # (labkit.course.warm_kernels: ~10 CPU s saved per kernel, ~70 kernels in make test); LABKIT_WARM_KERNELS=0
 # runs every kernel cold, as a student's and the grader's are.
 os.environ.setdefault("LABKIT_WARM_KERNELS", "1")
+# torchrun's ranks are forked from a zygote that imported torch and transformers once per environment
+# (labkit.rank_zygote, started per pytest process by `_warm_rank_starts` below: ~8 CPU s saved per rank);
+# LABKIT_RANK_ZYGOTE=0 starts every rank cold, as a student's and the grader's are. A test file that checks
+# the cold launch itself sets COLD_RANKS = True.
+_RANK_MANAGER: list = []
 # labkit's cache (measured bandwidth / matmul efficiency, decoded images) is per test session: a file a
 # developer's `labkit preflight` or `labkit bench comm` left in ~/.cache/labkit must not change results.
 os.environ["LABKIT_CACHE"] = tempfile.mkdtemp(prefix="labkit-test-cache-")
@@ -59,6 +64,34 @@ def pytest_collection_modifyitems(config, items):
     schedule(config, items)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _warm_rank_starts():
+    """One labkit.rank_zygote manager for this pytest process (not for the xdist controller, which runs no
+    test): every rank torchrun starts in a test, a notebook kernel or a warm pool forks from it."""
+    from labkit import rank_zygote
+
+    if os.environ.get(rank_zygote.SWITCH_ENV) == "0":
+        os.environ.pop(rank_zygote.SWITCH_ENV)
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="labkit-rank-zygote-")
+    path = os.path.join(folder, "manager.sock")
+    _RANK_MANAGER.append(rank_zygote.start_manager(path))
+    os.environ[rank_zygote.SWITCH_ENV] = path
+    yield
+    os.environ.pop(rank_zygote.SWITCH_ENV, None)
+    rank_zygote.stop_manager(_RANK_MANAGER.pop())
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _cold_ranks(request, monkeypatch):
+    """A file with COLD_RANKS = True (the launcher's own tests) starts its ranks cold, as users' are."""
+    if getattr(request.module, "COLD_RANKS", False):
+        monkeypatch.delenv("LABKIT_RANK_ZYGOTE", raising=False)
+    yield
+
+
 @pytest.fixture
 def run_cells(tmp_path):
     """Execute code cells in a fresh notebook on the `labkit` kernel; returns the executed notebook."""
@@ -91,12 +124,16 @@ def live_children() -> list:
     Python's multiprocessing resource tracker is not counted: `mp.spawn` (tests/_reference.py) starts it
     once per interpreter as a child of pytest, and it lives, idle, until pytest exits. It is Python's,
     not a labkit process, and no labkit code starts it. Nor are the warm-kernel zygotes (idle between
-    notebooks, they live until pytest exits: labkit.course.warm_kernels); a kernel one forked is counted."""
+    notebooks, they live until pytest exits: labkit.course.warm_kernels) and the rank-zygote manager with its
+    zygotes (labkit.rank_zygote); a kernel or a rank one forked is counted."""
     import psutil
 
+    from labkit import rank_zygote
     from labkit.course import warm_kernels
 
     zygotes = set(warm_kernels.zygote_pids())
+    for manager in _RANK_MANAGER:
+        zygotes |= rank_zygote.resident_pids(manager)
     out = []
     for child in psutil.Process().children(recursive=True):
         try:

@@ -16,6 +16,9 @@ from conftest import TESTS_DIR, live_children, stream_text
 from labkit import launch
 from labkit.errors import ConfigError, LaunchError
 
+#: This file tests the launch students get: ranks start cold (tests/conftest.py `_cold_ranks`).
+COLD_RANKS = True
+
 TARGET = "_launch_targets"
 
 

@@ -14,6 +14,9 @@ import pytest
 
 from conftest import TESTS_DIR
 
+#: This file tests the launch students get: ranks start cold (tests/conftest.py `_cold_ranks`).
+COLD_RANKS = True
+
 #: 1, not 2 (once 5): the hogs burn both cores for the whole run and slow everything else the suite runs
 #: meanwhile. Every race here is run twice per `make test` anyway: once under the hogs, once in
 #: test_launch.py itself under the suite's own load (2 workers busy); LABKIT_LAUNCH_REPEAT reruns more.

@@ -139,6 +139,9 @@ def _read_report(path: Path, dst: Path, limits: Limits) -> dict[str, Any] | None
 def scratch_env(scratch: Path, kernel: str = "labkit") -> dict[str, str]:
     """The executed notebook's environment: the grader's kept variables, every home and cache in scratch."""
     env = {k: v for k, v in os.environ.items() if k in _ENV_KEEP or k.startswith(_ENV_PREFIXES)}
+    # A submission's ranks start in the sandbox, never forked by a process outside it (the test suite's warm
+    # ranks, labkit.rank_zygote; its warm kernels are not used by the grader either).
+    env.pop("LABKIT_RANK_ZYGOTE", None)
     dirs = {"HOME": "home", "TMPDIR": "tmp", "JUPYTER_RUNTIME_DIR": "runtime", "IPYTHONDIR": "ipython",
             "MPLCONFIGDIR": "mpl", "XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config"}
     env.update({k: str(scratch / d) for k, d in dirs.items()})

@@ -1,0 +1,353 @@
+"""Warm torchrun ranks for the test suite: a rank forked from a process that already imported torch.
+
+A rank torchrun starts is `python -u -m labkit.rank_guard MODULE ARGS` (labkit.launch): before its first
+line of work it pays `import torch`, torch.distributed and transformers' Llama (~8 CPU s here). `make test`
+starts a few hundred ranks. With LABKIT_RANK_ZYGOTE naming the unix socket of a **manager** (tests/conftest.py
+starts one per pytest process), rank_guard becomes a thin **shim**: it sends its argv, environment, working
+directory and its stdin/stdout/stderr (the files torchrun's `--redirects` opened) to the manager, which hands
+them to the **zygote** of that environment (`python -m labkit.rank_zygote zygote`, one per environment, started
+on first use; it imported PRELOAD once). The zygote forks; the child becomes exactly what
+`python -u -m labkit.rank_guard MODULE ARGS` would be after its imports: its own session, the shim's
+environment, folder, stdio and argv, numpy reseeded, MODULE run as `__main__`. The shim stays torchrun's
+child for the rank's whole life, so torchrun sees what it always sees:
+- the shim forwards SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 to the rank (torchrun's and
+  labkit.launch.kill_tree's SIGTERM reach the rank's own handlers: the hang demo's stack dump);
+- the shim exits with the rank's exit status (a rank killed by a signal: the shim kills itself with it);
+- the shim's death is the rank's: the rank holds the shim's connection and kills itself (and its process
+  group) when it closes, SIGKILL included. torchrun's link to the shim is rank_guard's as before.
+What a fork could share, and why it does not leak: as for warm notebook kernels (labkit.course.warm_kernels):
+PRELOAD is third-party modules only; a zygote serves only ranks whose environment equals its own apart from
+VOLATILE keys (torchrun's per-rank variables, LABKIT_*, JPY_*, PYTEST_*), because libraries read some
+variables when imported (HF_HUB_OFFLINE, OMP_NUM_THREADS, DS_ACCELERATOR); nothing but imports runs in a
+zygote, so no thread, lock or OpenMP pool is held at the fork.
+No process outlives its owner: the manager exits when the process that started it (OWNER) does, its
+zygotes have their parent-death signal set to it, a rank to its zygote and to its shim's connection.
+Test-suite only: nothing sets LABKIT_RANK_ZYGOTE for a student or an instructor (their ranks start cold,
+as on a node), the grader's sandbox drops it (labkit.course.grading.sandbox), and when the socket is not
+there the shim starts the rank cold. A forked rank's CPU is not the launcher's child CPU (it is the zygote's).
+"""
+from __future__ import annotations
+
+import array
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+
+#: The manager's unix socket path; set (by tests/conftest.py) only where ranks should fork warm.
+SWITCH_ENV = "LABKIT_RANK_ZYGOTE"
+#: What a zygote imports before it forks any rank: the third-party modules labkit's ranks import.
+PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
+           "torch.distributed.elastic.multiprocessing.errors", "torch._dynamo", "torchvision", "transformers",
+           "transformers.models.llama.modeling_llama")
+#: Preloaded only when the environment names the variable the module reads when imported.
+PRELOAD_IF_SET = {"deepspeed": "DS_ACCELERATOR"}
+#: Variables that differ between ranks of one environment (torchrun's per-rank ones, labkit's run-time ones).
+VOLATILE_PREFIXES = ("LABKIT_", "JPY_", "PYTEST_", "TORCHELASTIC_")
+VOLATILE_NAMES = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
+                            "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+                            "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING"})
+#: Zygotes a manager keeps (one per environment); the least recently used idle one goes first.
+MAX_ZYGOTES = 4
+#: Signals the shim passes on to its rank.
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+_STDIO = 3
+_MODULE = "labkit.rank_zygote"
+
+
+def _key(env: dict[str, str]) -> tuple:
+    return tuple(sorted((k, v) for k, v in env.items()
+                        if k not in VOLATILE_NAMES and not k.startswith(VOLATILE_PREFIXES)))
+
+
+def _send(sock: socket.socket, msg: dict, fds: list[int] = ()) -> None:
+    data = json.dumps(msg).encode()
+    sock.sendall(struct.pack("!I", len(data)), 0) if not fds else \
+        socket.send_fds(sock, [struct.pack("!I", len(data))], list(fds))
+    sock.sendall(data)
+
+
+def _recv(sock: socket.socket, maxfds: int = 0) -> tuple[dict | None, list[int]]:
+    """One message (and the fds sent with it); (None, []) at end of stream."""
+    if maxfds:
+        head, fds, _, _ = socket.recv_fds(sock, 4, maxfds)
+    else:
+        head, fds = sock.recv(4), []
+    while head and len(head) < 4:
+        more = sock.recv(4 - len(head))
+        if not more:
+            break
+        head += more
+    if len(head) < 4:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    (size,) = struct.unpack("!I", head)
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            return None, fds
+        data += chunk
+    return json.loads(data), list(fds)
+
+
+# ------------------------------------------------------------------------------------ the shim (rank_guard)
+def delegate(argv: list[str]) -> int | None:
+    """In rank_guard: run `argv` (MODULE ARGS) as a rank forked by the zygote of this environment, pass
+    signals on, and give back its exit status (negative: killed by that signal). None when there is no
+    manager to ask (the caller starts the rank cold)."""
+    path = os.environ.get(SWITCH_ENV)
+    if not path:
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except OSError:
+        sock.close()
+        return None
+    _send(sock, {"argv": list(argv), "env": dict(os.environ), "cwd": os.getcwd()}, list(range(_STDIO)))
+    reply, _ = _recv(sock)
+    if reply is None or "pid" not in reply:
+        print(f"labkit.rank_zygote: no rank was forked ({reply}); the zygote's error is above", file=sys.stderr)
+        return 1
+    pid = reply["pid"]
+
+    def forward(signum, _frame):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    while True:
+        try:
+            reply, _ = _recv(sock)
+            break
+        except InterruptedError:
+            continue
+    return 1 if reply is None else int(reply["exit"])
+
+
+def exit_like(code: int) -> None:
+    """Leave this process as the rank left: its exit code, or killed by its signal."""
+    if code < 0:
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        os._exit(128 - code)  # a signal whose default is not to end a process
+    os._exit(code & 0xFF)
+
+
+# ------------------------------------------------------------------------------------ the manager
+def start_manager(path: str, *, max_zygotes: int = MAX_ZYGOTES, preload: tuple[str, ...] = PRELOAD) -> subprocess.Popen:
+    """Start a manager listening on `path` for this process (it exits when this process does); wait until
+    it listens. The caller sets SWITCH_ENV=path where ranks should fork warm."""
+    rd, wr = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", _MODULE, "manager", path, str(os.getpid()), str(wr),
+                             str(max_zygotes), ",".join(preload)],
+                            pass_fds=(wr,), stdin=subprocess.DEVNULL, start_new_session=True)
+    os.close(wr)
+    os.read(rd, 1)  # the manager writes one byte once it listens (EOF if it died)
+    os.close(rd)
+    return proc
+
+
+def stop_manager(proc: subprocess.Popen) -> None:
+    """Stop a manager: its zygotes and the ranks they forked follow it (parent-death signals)."""
+    proc.terminate()
+    proc.wait()
+
+
+def resident_pids(proc: subprocess.Popen) -> set[int]:
+    """The manager's and its zygotes' process ids (not the ranks they forked)."""
+    import psutil
+
+    try:
+        return {proc.pid, *(child.pid for child in psutil.Process(proc.pid).children())}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _manager(path: str, owner: int, ready_fd: int, max_zygotes: int, preload: str) -> None:
+    _set_parent_death_signal()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    listener.bind(path)
+    listener.listen(64)
+    os.write(ready_fd, b"1")
+    os.close(ready_fd)
+    owner_fd = os.pidfd_open(owner)
+    zygotes: dict[tuple, tuple[subprocess.Popen, socket.socket]] = {}  # LRU order: oldest first
+    retired: list[subprocess.Popen] = []  # closed zygotes still finishing their ranks (reaped when done)
+    while True:
+        readable, _, _ = select.select([listener, owner_fd], [], [])
+        if owner_fd in readable:
+            break
+        conn, _ = listener.accept()
+        fds: list[int] = []
+        try:
+            request, fds = _recv(conn, _STDIO)
+            if request is None:
+                continue
+            key = _key(request["env"])
+            entry = zygotes.pop(key, None)
+            if entry is not None and entry[0].poll() is not None:
+                entry = None
+            if entry is None:
+                while len(zygotes) >= max_zygotes:  # the least recently used one finishes its ranks and exits
+                    proc, ctl = zygotes.pop(next(iter(zygotes)))
+                    ctl.close()
+                    retired.append(proc)
+                retired[:] = [proc for proc in retired if proc.poll() is None]
+                mine, theirs = socket.socketpair()
+                proc = subprocess.Popen([sys.executable, "-u", "-m", _MODULE, "zygote", str(theirs.fileno()), preload],
+                                        env=request["env"], cwd=request["cwd"], pass_fds=(theirs.fileno(),),
+                                        stdin=subprocess.DEVNULL)
+                theirs.close()
+                entry = (proc, mine)
+            zygotes[key] = entry
+            _send(entry[1], request, [conn.fileno(), *fds])
+        except OSError:
+            pass
+        finally:
+            conn.close()
+            for fd in fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+    for proc in [*(proc for proc, _ in zygotes.values()), *retired]:  # the owner is gone: so are the ranks
+        proc.kill()
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _set_parent_death_signal() -> None:
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+# ------------------------------------------------------------------------------------ the zygote
+def _zygote(ctl_fd: int, preload: tuple[str, ...]) -> None:
+    parent = os.getppid()
+    _set_parent_death_signal()
+    if os.getppid() != parent:
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for name in preload + tuple(m for m, var in PRELOAD_IF_SET.items() if os.environ.get(var)):
+        try:
+            __import__(name)
+        except Exception:  # noqa: BLE001 - a module that fails here fails (and reports) in the rank itself
+            pass
+    ctl = socket.socket(fileno=ctl_fd)
+    children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, the shim's connection)
+    open_requests = True
+    while open_requests or children:  # closed by the manager (evicted): finish the ranks it runs, then exit
+        readable, _, _ = select.select([ctl] * open_requests + list(children), [], [])
+        for item in readable:
+            if item is ctl:
+                request, fds = _recv(ctl, 1 + _STDIO)
+                if request is None:
+                    open_requests = False
+                    continue
+                conn = socket.socket(fileno=fds[0])
+                pid = os.fork()
+                if pid == 0:
+                    _become_rank(request, conn, fds[1:], [ctl.fileno(), *children,
+                                                          *(c.fileno() for _, c in children.values())])
+                for fd in fds[1:]:
+                    os.close(fd)
+                children[os.pidfd_open(pid)] = (pid, conn)
+                try:
+                    _send(conn, {"pid": pid})
+                except OSError:  # the shim is gone already: its rank follows (closed connection)
+                    pass
+            else:
+                pid, conn = children.pop(item)
+                os.close(item)
+                _, status, _ = os.wait4(pid, 0)
+                try:
+                    _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+                except OSError:
+                    pass
+                conn.close()
+    os._exit(0)
+
+
+def _become_rank(request: dict, conn: socket.socket, stdio: list[int], close: list[int]) -> None:
+    """In the forked child: what `python -u -m labkit.rank_guard MODULE ARGS` gives after its imports, then
+    the rank itself. Never returns."""
+    code = 1
+    try:
+        zygote = os.getppid()
+        os.setsid()  # torchrun starts each rank in a session of its own
+        _set_parent_death_signal()
+        if os.getppid() != zygote:
+            os._exit(1)
+        for fd in close:
+            os.close(fd)
+        for target, fd in enumerate(stdio):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.path[0] = request["cwd"]  # `python -m` puts the working directory first
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()  # a fresh interpreter's entropy, not the zygote's state
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _watch_shim(conn)
+        from labkit import rank_guard
+
+        rank_guard.run_rank(request["argv"])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - what an uncaught exception does to `python -m`: traceback, exit 1
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            import atexit
+
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _watch_shim(conn: socket.socket) -> None:
+    """A daemon thread that kills this rank (and its process group) when the shim's connection closes."""
+    import threading
+
+    def loop() -> None:
+        try:
+            while conn.recv(1):
+                pass
+        except OSError:
+            pass
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=loop, name="labkit-shim-watchdog", daemon=True).start()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "manager":
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _manager(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+    elif sys.argv[1] == "zygote":
+        _zygote(int(sys.argv[2]), tuple(name for name in sys.argv[3].split(",") if name))

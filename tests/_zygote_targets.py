@@ -1,0 +1,44 @@
+"""Rank programs for tests/test_rank_zygote.py, run as `python -m labkit.rank_guard _zygote_targets MODE [DIR]`.
+
+No torch and no process group: what is checked is the process a rank is (warm or cold), not its work.
+MODE: `describe` (prints one JSON line: what a rank sees of its process), `exit3`, `raise`, `killed` (SIGKILLs
+itself), `wait` (writes DIR/<rank>.pid, calls rank_ready(), then waits; SIGTERM writes DIR/<rank>.term and exits 0).
+"""
+import json
+import os
+import signal
+import sys
+import time
+
+
+def main(mode: str, folder: str | None = None) -> None:
+    rank = os.environ.get("RANK", "0")
+    if mode == "describe":
+        print(json.dumps({"name": __name__, "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
+                          "env": dict(os.environ), "pid": os.getpid(), "ppid": os.getppid(),
+                          "session_leader": os.getsid(0) == os.getpid(), "stdin_tty": os.isatty(0),
+                          "stdout_write_through": sys.stdout.write_through}), flush=True)
+    elif mode == "exit3":
+        sys.exit(3)
+    elif mode == "raise":
+        raise ValueError("a rank exploded on purpose")
+    elif mode == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif mode == "wait":
+        def on_term(signum, frame):
+            with open(os.path.join(folder, f"{rank}.term"), "w") as fh:
+                fh.write("SIGTERM")
+            sys.exit(0)
+
+        signal.signal(signal.SIGTERM, on_term)
+        with open(os.path.join(folder, f"{rank}.pid"), "w") as fh:
+            fh.write(str(os.getpid()))
+        from labkit.launch import rank_ready
+
+        rank_ready()
+        while True:
+            time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
