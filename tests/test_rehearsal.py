@@ -420,7 +420,18 @@ def _check_09(run, executed, calls, prof):
     assert len(stuck) == 2 and "all_reduce" in stuck[0] and "barrier" in stuck[1], stuck
 
 
-CHECKS = {"02_single_gpu": _check_02, "04_fsdp": _check_04, "09_beyond_3d": _check_09}
+def _check_06(run, executed, calls, prof):
+    # issue 29: on a T4 without Llama-2-7B cached, the estimator's verdict and one line saying how to fetch it
+    # (tests/test_t4_7b.py rehearses the fetched 7B); a 24 GB+ GPU's walk is the 7B's, one line says so
+    text = "".join(o.get("text", "") for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    if prof.gpu_memory_gb < 24:
+        assert "qlora llama2-7b x1" in text and "-> does not fit" in text, text[-2000:]
+        assert "run `labkit fetch meta-llama/Llama-2-7b-hf` (a ~13.5 GB download" in text
+    else:
+        assert "Llama-2-7B on a 16 GB GPU: nothing to add" in text
+
+
+CHECKS = {"02_single_gpu": _check_02, "04_fsdp": _check_04, "06_peft": _check_06, "09_beyond_3d": _check_09}
 
 
 def _check_stopped(run, executed, profile):
