@@ -17,6 +17,9 @@ from labkit.errors import ConfigError
 
 #: Pretrained weights of a preset architecture on the Hub (GPU profiles fine-tune these in 06 and 08).
 PRETRAINED = {"llama-160m": "JackFram/llama-160m", "tinyllama-1.1b": "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "llama2-7b": "meta-llama/Llama-2-7b-hf"}
+#: What `labkit fetch` downloads of a preset's pretrained weights, in GB (safetensors in fp16: 2 bytes x
+#: 6.74 B parameters for Llama-2-7B), for the line that says how to get them.
+DOWNLOAD_GB = {"llama2-7b": 13.5}
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,18 @@ def pretrained_llm(profile, *presets: str, fallback: str | None = "") -> str | N
         why = f": `labkit fetch {repos[0]}` has not been run" if repos else ""
     print(f"model: {profile.llm_model if fallback is None else fallback} (random init{why})")
     return fallback
+
+
+def cached_pretrained(profile, preset: str) -> str | None:
+    """On a GPU profile, the HF id of `preset`'s pretrained weights when they are cached (one line says so,
+    as `pretrained_llm` does); else None, after one line saying how to get them (the download's size, and
+    that a free Colab runtime's disk holds it). 06 fine-tunes Llama-2-7B on a 16 GB T4 this way."""
+    repo = PRETRAINED[preset]
+    if profile.device == "cuda" and _model_cached(repo):
+        return pretrained_llm(profile, preset)
+    size = f" (a ~{DOWNLOAD_GB[preset]:g} GB download; Colab's disk holds it)" if preset in DOWNLOAD_GB else ""
+    print(f"{repo} is not cached: run `labkit fetch {repo}`{size}, then this cell again")
+    return None
 
 
 def image_data(profile) -> str:

@@ -159,6 +159,38 @@ def merge_error(model: nn.Module, input_ids: torch.Tensor) -> float:
         model.train(was_training)
 
 
+def sized(model: str, strategies, profile: str, **options) -> dict[str, dict]:
+    """Whether each strategy's run of `model` fits `profile`'s GPU, by the estimator, before it runs: the run
+    `labkit.train.run(strategy, model, profile=profile, **options)` makes, sized as a rehearsal sizes it
+    (`labkit.train.stand_in.size`). Strategy -> {'describe', 'bytes', 'capacity', 'fits', ...}; bytes and
+    capacity are None on a CPU profile. 06 asks it whether LoRA or QLoRA of Llama-2-7B fits a 16 GB T4."""
+    from labkit.profiles import get_profile
+    from labkit.train import stand_in
+    from labkit.train.config import from_dict
+
+    node = get_profile(profile)
+    found = {}
+    for strategy in strategies:
+        cfg = from_dict({"strategy": strategy, "model": model, "profile": node.name, **options}).resolve()
+        found[strategy] = {"describe": stand_in.describe(cfg), **stand_in.size(cfg, node)}
+    return found
+
+
+def format_sized(found: dict[str, dict]) -> str:
+    """One line per run of `sized`: the estimator's GB per GPU against what the GPU may hold."""
+    from labkit.memory.runs import HEADROOM
+
+    lines = []
+    for v in found.values():
+        if v["bytes"] is None or v["capacity"] is None:
+            lines.append(f"{v['describe']}: not sized ({v['note'] or 'no GPU'})")
+            continue
+        lines.append(f"{v['describe']}: {v['bytes'] / 1e9:.1f} GB per GPU {'<=' if v['fits'] else '>'} "
+                     f"{v['capacity'] / 1e9:.1f} GB ({HEADROOM:.0%} of {v['capacity'] / HEADROOM / 1e9:.3g} GB) -> "
+                     f"{'fits' if v['fits'] else 'does not fit'}")
+    return "\n".join(lines)
+
+
 def _is_4bit(p: torch.Tensor) -> bool:
     return type(p).__name__ == "Params4bit" and getattr(p, "quant_state", None) is not None
 
