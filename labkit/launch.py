@@ -239,15 +239,13 @@ def kill_tree(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
     (labkit.rank_guard), which SIGKILLs it -- a loaded CI machine cut a dump in half that way."""
     import psutil
 
-    try:
-        procs = [psutil.Process(proc.pid)]
-        procs += procs[0].children(recursive=True)
-    except psutil.NoSuchProcess:
-        procs = []
-    _signal_groups(procs[1:], signal.SIGTERM)
-    _, ranks_alive = psutil.wait_procs(procs[1:], timeout=grace_s)
-    _signal_groups(procs[:1] + ranks_alive, signal.SIGTERM)
-    _, alive = psutil.wait_procs(procs[:1] + ranks_alive, timeout=grace_s)
+    from labkit import rank_zygote
+
+    head, ranks = rank_zygote.process_tree(proc.pid)  # [torchrun], its descendants (warm ones included)
+    _signal_groups(ranks, signal.SIGTERM)
+    _, ranks_alive = psutil.wait_procs(ranks, timeout=grace_s)
+    _signal_groups(head + ranks_alive, signal.SIGTERM)
+    _, alive = psutil.wait_procs(head + ranks_alive, timeout=grace_s)
     _signal_groups(alive, signal.SIGKILL)
     for p in alive:
         try:
@@ -257,8 +255,9 @@ def kill_tree(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
     psutil.wait_procs(alive, timeout=grace_s)
     try:
         proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
+    except subprocess.TimeoutExpired:  # a warm torchrun's shim whose stand-in is gone: it must not stay either
+        proc.kill()
+        proc.wait()
 
 
 def _signal_groups(procs, sig) -> None:
@@ -372,7 +371,7 @@ def _launch_once(cmd: list[str], pattern: str, *, env: dict, timeout_s: float, e
     # New session: a terminal's Ctrl-C reaches only us, and we stop the job in order. `guarded`: if
     # we die without doing so, the kernel kills torchrun, and torchrun's ranks follow (rank_guard).
     # This thread forks torchrun and stays in this function until torchrun is gone (see rank_guard).
-    proc = subprocess.Popen(rank_guard.guarded(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(rank_guard.guarded(cmd, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     reader, tail = _Reader(proc.stdout), _RankTail(pattern, echo=echo)
     reader.start()

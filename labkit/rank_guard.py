@@ -43,9 +43,12 @@ _EXEC_GUARD = (
 )
 
 
-def guarded(cmd: list[str]) -> list[str]:
-    """`cmd` (an absolute executable first) behind the parent-death guard of the calling process."""
-    return [sys.executable, "-I", "-S", "-c", _EXEC_GUARD, str(os.getpid()), *cmd]
+def guarded(cmd: list[str], env: dict[str, str] | None = None) -> list[str]:
+    """`cmd` (an absolute executable first) behind the parent-death guard of the calling process. In the
+    test suite (`env`, default ours, names a rank zygote) torchrun itself forks warm: labkit.rank_zygote."""
+    from labkit import rank_zygote
+
+    return [sys.executable, "-I", "-S", "-c", _EXEC_GUARD, str(os.getpid()), *rank_zygote.warm_command(cmd, env)]
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:

@@ -81,9 +81,9 @@ class _Pool:
         cmd = launch.torchrun_command(key.server, ["--serve", str(self.jobs)], nproc=key.nproc, log_dir=str(self.logs),
                                       run_id=self.run_id)
         # As in launch.run: own session, parent-death guard; forked from the main thread (see `run`).
-        self.proc = subprocess.Popen(rank_guard.guarded(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=launch._child_env(dict(key.env), key.threads),
-                                     start_new_session=True)
+        env = launch._child_env(dict(key.env), key.threads)
+        self.proc = subprocess.Popen(rank_guard.guarded(cmd, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         self.reader = launch._Reader(self.proc.stdout)
         self.reader.start()
 

@@ -97,10 +97,11 @@ def _recv(sock: socket.socket, maxfds: int = 0) -> tuple[dict | None, list[int]]
 
 
 # ------------------------------------------------------------------------------------ the shim (rank_guard)
-def delegate(argv: list[str]) -> int | None:
-    """In rank_guard: run `argv` (MODULE ARGS) as a rank forked by the zygote of this environment, pass
-    signals on, and give back its exit status (negative: killed by that signal). None when there is no
-    manager to ask (the caller starts the rank cold)."""
+def delegate(argv: list[str], kind: str = "rank") -> int | None:
+    """In rank_guard (`kind` "rank") or in front of torchrun (`kind` "module", `python -m labkit.rank_zygote run
+    torch.distributed.run ...`): run `argv` (MODULE ARGS) in a process forked by the zygote of this
+    environment, pass signals on, and give back its exit status (negative: killed by that signal). None when
+    there is no manager to ask (the caller runs MODULE cold)."""
     path = os.environ.get(SWITCH_ENV)
     if not path:
         return None
@@ -110,7 +111,8 @@ def delegate(argv: list[str]) -> int | None:
     except OSError:
         sock.close()
         return None
-    _send(sock, {"argv": list(argv), "env": dict(os.environ), "cwd": os.getcwd()}, list(range(_STDIO)))
+    _send(sock, {"argv": list(argv), "env": dict(os.environ), "cwd": os.getcwd(), "kind": kind, "shim": os.getpid()},
+          list(range(_STDIO)))
     reply, _ = _recv(sock)
     if reply is None or "pid" not in reply:
         print(f"labkit.rank_zygote: no rank was forked ({reply}); the zygote's error is above", file=sys.stderr)
@@ -142,6 +144,68 @@ def exit_like(code: int) -> None:
         os.kill(os.getpid(), -code)
         os._exit(128 - code)  # a signal whose default is not to end a process
     os._exit(code & 0xFF)
+
+
+def warm_command(cmd: list[str], env: dict[str, str] | None = None) -> list[str]:
+    """`python -m torch.distributed.run ...` as a shim whose torchrun forks warm, when `env` (default: ours)
+    names a manager; any other command unchanged."""
+    env = os.environ if env is None else env
+    if env.get(SWITCH_ENV) and cmd[1:3] == ["-m", "torch.distributed.run"]:
+        return [cmd[0], "-m", _MODULE, "run", *cmd[2:]]
+    return cmd
+
+
+def _forked_dir() -> str | None:
+    path = os.environ.get(SWITCH_ENV)
+    return os.path.join(os.path.dirname(path), "forked") if path else None
+
+
+def _register(shim: int | None, pid: int) -> None:
+    folder = _forked_dir()
+    if folder and shim:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f".{shim}"), "w") as fh:
+            fh.write(str(pid))
+        os.replace(os.path.join(folder, f".{shim}"), os.path.join(folder, str(shim)))
+
+
+def forked_for(shim: int) -> int | None:
+    """The pid of the process a zygote forked for the shim `shim` (it stands in for it), if any."""
+    folder = _forked_dir()
+    try:
+        with open(os.path.join(folder, str(shim))) as fh:
+            return int(fh.read())
+    except (TypeError, OSError, ValueError):
+        return None
+
+
+def process_tree(pid: int) -> tuple[list, list]:
+    """([process `pid`], [its descendants]) as labkit.launch.kill_tree stops them (ranks first), with every
+    shim replaced by the process a zygote forked for it: signalled once, by the stand-in itself (the shim
+    passes its exit on and ends with it), whether torchrun and its ranks started cold or warm."""
+    import psutil
+
+    def stand_in(proc):
+        forked = forked_for(proc.pid)
+        try:
+            return psutil.Process(forked) if forked else proc
+        except psutil.NoSuchProcess:
+            return proc
+
+    try:
+        head = [stand_in(psutil.Process(pid))]
+    except psutil.NoSuchProcess:
+        return [], []
+    rest, todo = [], list(head)
+    while todo:
+        try:
+            children = todo.pop().children()
+        except psutil.NoSuchProcess:
+            continue
+        found = [stand_in(child) for child in children]
+        rest += found
+        todo += found
+    return head, rest
 
 
 # ------------------------------------------------------------------------------------ the manager
@@ -252,7 +316,7 @@ def _zygote(ctl_fd: int, preload: tuple[str, ...]) -> None:
         except Exception:  # noqa: BLE001 - a module that fails here fails (and reports) in the rank itself
             pass
     ctl = socket.socket(fileno=ctl_fd)
-    children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, the shim's connection)
+    children: dict[int, tuple[int, socket.socket, int]] = {}  # pidfd -> (pid, the shim's connection, its pid)
     open_requests = True
     while open_requests or children:  # closed by the manager (evicted): finish the ranks it runs, then exit
         readable, _, _ = select.select([ctl] * open_requests + list(children), [], [])
@@ -266,18 +330,23 @@ def _zygote(ctl_fd: int, preload: tuple[str, ...]) -> None:
                 pid = os.fork()
                 if pid == 0:
                     _become_rank(request, conn, fds[1:], [ctl.fileno(), *children,
-                                                          *(c.fileno() for _, c in children.values())])
+                                                          *(c.fileno() for _, c, _ in children.values())])
                 for fd in fds[1:]:
                     os.close(fd)
-                children[os.pidfd_open(pid)] = (pid, conn)
+                children[os.pidfd_open(pid)] = (pid, conn, request.get("shim"))
+                _register(request.get("shim"), pid)  # before the shim learns the pid: kill_tree can find it
                 try:
                     _send(conn, {"pid": pid})
                 except OSError:  # the shim is gone already: its rank follows (closed connection)
                     pass
             else:
-                pid, conn = children.pop(item)
+                pid, conn, shim = children.pop(item)
                 os.close(item)
                 _, status, _ = os.wait4(pid, 0)
+                try:
+                    os.unlink(os.path.join(_forked_dir(), str(shim)))
+                except (TypeError, OSError):
+                    pass
                 try:
                     _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
                 except OSError:
@@ -311,7 +380,11 @@ def _become_rank(request: dict, conn: socket.socket, stdio: list[int], close: li
         _watch_shim(conn)
         from labkit import rank_guard
 
-        rank_guard.run_rank(request["argv"])
+        if request.get("kind") == "module":  # torchrun: its ranks check that it is their parent
+            os.environ[rank_guard.PARENT_ENV] = str(os.getpid())
+            _run_module(request["argv"])
+        else:
+            rank_guard.run_rank(request["argv"])
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -328,6 +401,14 @@ def _become_rank(request: dict, conn: socket.socket, stdio: list[int], close: li
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _run_module(argv: list[str]) -> None:
+    """What `python -m MODULE ARGS` does: MODULE as `__main__`, sys.argv[1:] = ARGS."""
+    import runpy
+
+    sys.argv = [argv[0], *argv[1:]]
+    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
 
 
 def _watch_shim(conn: socket.socket) -> None:
@@ -349,5 +430,11 @@ if __name__ == "__main__":
     if sys.argv[1] == "manager":
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         _manager(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+    elif sys.argv[1] == "run":  # `python -m labkit.rank_zygote run MODULE ARGS`: MODULE forked warm, else cold
+        status = delegate(sys.argv[2:], kind="module")
+        if status is None:
+            _run_module(sys.argv[2:])
+        else:
+            exit_like(status)
     elif sys.argv[1] == "zygote":
         _zygote(int(sys.argv[2]), tuple(name for name in sys.argv[3].split(",") if name))

@@ -2,7 +2,7 @@
 
 No torch and no process group: what is checked is the process a rank is (warm or cold), not its work.
 MODE: `describe` (prints one JSON line: what a rank sees of its process), `exit3`, `raise`, `killed` (SIGKILLs
-itself), `wait` (writes DIR/<rank>.pid, calls rank_ready(), then waits; SIGTERM writes DIR/<rank>.term and exits 0).
+itself), `wait` (writes DIR/<rank>.pid: its pid, parent, torchrun's and its parent, as JSON; calls rank_ready(), then waits; SIGTERM writes DIR/<rank>.term and exits 0).
 """
 import json
 import os
@@ -31,13 +31,21 @@ def main(mode: str, folder: str | None = None) -> None:
             sys.exit(0)
 
         signal.signal(signal.SIGTERM, on_term)
-        with open(os.path.join(folder, f"{rank}.pid"), "w") as fh:
-            fh.write(str(os.getpid()))
+        torchrun = int(os.environ.get("LABKIT_TORCHRUN_PID", "0"))
+        with open(os.path.join(folder, f".{rank}.pid"), "w") as fh:  # pid, parent, torchrun and its parent
+            json.dump({"pid": os.getpid(), "ppid": os.getppid(), "torchrun": torchrun,
+                       "torchrun_ppid": _ppid(torchrun) if torchrun else None}, fh)
+        os.replace(os.path.join(folder, f".{rank}.pid"), os.path.join(folder, f"{rank}.pid"))
         from labkit.launch import rank_ready
 
         rank_ready()
         while True:
             time.sleep(3600)
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[1])
 
 
 if __name__ == "__main__":

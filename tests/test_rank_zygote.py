@@ -88,7 +88,7 @@ def test_signals_are_passed_on_and_a_killed_shim_takes_its_rank_down(manager, tm
     (tmp_path / "0.pid").unlink()
     rank = shim(path, "wait", str(tmp_path), cwd=tmp_path)
     wait_for(tmp_path / "0.pid", rank)
-    forked = psutil.Process(int((tmp_path / "0.pid").read_text()))
+    forked = psutil.Process(json.loads((tmp_path / "0.pid").read_text())["pid"])
     rank.kill()  # SIGKILL: nothing to pass on; the rank sees its shim's connection close
     rank.wait()
     gone, alive = psutil.wait_procs([forked], timeout=300)
@@ -121,14 +121,27 @@ def test_the_graders_sandbox_never_forks_from_the_suites_zygote(tmp_path, monkey
     assert rank_zygote.SWITCH_ENV not in sandbox.scratch_env(tmp_path)
 
 
-def test_torchrun_ranks_fork_warm_and_a_timeout_stops_them_in_order(tmp_path):
+def test_commands_other_than_torchrun_stay_as_they_are():
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "x"]
+    assert rank_zygote.warm_command(torchrun, {rank_zygote.SWITCH_ENV: "/s"}) == \
+        [sys.executable, "-m", "labkit.rank_zygote", "run", "torch.distributed.run", "--nproc-per-node", "2", "-m", "x"]
+    assert rank_zygote.warm_command(torchrun, {}) == torchrun
+    other = [sys.executable, "-m", "accelerate.commands.launch", "x.py"]
+    assert rank_zygote.warm_command(other, {rank_zygote.SWITCH_ENV: "/s"}) == other
+
+
+def test_torchrun_and_its_ranks_fork_warm_and_a_timeout_stops_ranks_first(tmp_path):
+    from conftest import _RANK_MANAGER
     from labkit import launch
 
-    assert os.environ.get(rank_zygote.SWITCH_ENV), "tests/conftest.py starts the suite's manager"
+    assert os.environ.get(rank_zygote.SWITCH_ENV) and _RANK_MANAGER, "tests/conftest.py starts the suite's manager"
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS_DIR)])}
     with pytest.raises(LaunchError, match="did not finish"):
         launch.run("_zygote_targets", ["wait", str(tmp_path)], nproc=2, env=env, timeout_s=600, hang_timeout_s=1,
                    stream=False)
+    zygotes = rank_zygote.resident_pids(_RANK_MANAGER[0])
     for rank in (0, 1):
-        assert (tmp_path / f"{rank}.term").read_text() == "SIGTERM"  # kill_tree's SIGTERM reached each rank
+        seen = json.loads((tmp_path / f"{rank}.pid").read_text())
+        assert seen["ppid"] in zygotes and seen["torchrun_ppid"] in zygotes  # both forked warm
+        assert (tmp_path / f"{rank}.term").read_text() == "SIGTERM"  # kill_tree found them and SIGTERMed them
     assert not live_children()
