@@ -23,6 +23,8 @@ TARGET = "_launch_targets"
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
 
 pytestmark = pytest.mark.slow
+#: The pool's process tree as users get it: torchrun and ranks start cold (tests/conftest.py `_cold_ranks`).
+COLD_RANKS = True
 
 
 @pytest.fixture(autouse=True)
