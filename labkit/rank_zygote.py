@@ -1,20 +1,26 @@
-"""Warm torchrun ranks for the test suite: a rank forked from a process that already imported torch.
+"""Warm torchrun and ranks for the test suite: forked from a process that already imported torch.
 
-A rank torchrun starts is `python -u -m labkit.rank_guard MODULE ARGS` (labkit.launch): before its first
-line of work it pays `import torch`, torch.distributed and transformers' Llama (~8 CPU s here). `make test`
-starts a few hundred ranks. With LABKIT_RANK_ZYGOTE naming the unix socket of a **manager** (tests/conftest.py
-starts one per pytest process), rank_guard becomes a thin **shim**: it sends its argv, environment, working
-directory and its stdin/stdout/stderr (the files torchrun's `--redirects` opened) to the manager, which hands
-them to the **zygote** of that environment (`python -m labkit.rank_zygote zygote`, one per environment, started
-on first use; it imported PRELOAD once). The zygote forks; the child becomes exactly what
-`python -u -m labkit.rank_guard MODULE ARGS` would be after its imports: its own session, the shim's
-environment, folder, stdio and argv, numpy reseeded, MODULE run as `__main__`. The shim stays torchrun's
-child for the rank's whole life, so torchrun sees what it always sees:
-- the shim forwards SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 to the rank (torchrun's and
-  labkit.launch.kill_tree's SIGTERM reach the rank's own handlers: the hang demo's stack dump);
-- the shim exits with the rank's exit status (a rank killed by a signal: the shim kills itself with it);
-- the shim's death is the rank's: the rank holds the shim's connection and kills itself (and its process
-  group) when it closes, SIGKILL included. torchrun's link to the shim is rank_guard's as before.
+torchrun (`python -m torch.distributed.run`, ~5 CPU s of imports) and each rank it starts
+(`python -u -m labkit.rank_guard MODULE ARGS`, labkit.launch: `import torch`, torch.distributed and
+transformers' Llama, ~8 CPU s) pay their imports before their first line of work; `make test` starts
+~150 torchruns and ~300 ranks. With LABKIT_RANK_ZYGOTE naming the unix socket of a **manager**
+(tests/conftest.py starts one per pytest process), each of them is a thin **shim** instead
+(`rank_guard.guarded` starts torchrun as `python -m labkit.rank_zygote run torch.distributed.run ...`;
+rank_guard's main is the ranks' shim): it sends its argv, environment, working directory and its
+stdin/stdout/stderr (the files torchrun's `--redirects` opened, the launcher's pipe) to the manager, which
+hands them to the **zygote** of that environment (`python -m labkit.rank_zygote zygote`, one per environment,
+started on first use; it imported PRELOAD once). The zygote forks; the child becomes exactly what the cold
+command would be after its imports: its own session, the shim's environment, folder, stdio and argv, numpy
+reseeded, the module run as `__main__` (a torchrun child names itself in LABKIT_TORCHRUN_PID, as
+rank_guard's exec guard does for a cold one, so its ranks' parent checks hold). The shim stays its parent's
+child for the whole life of what it stands for, so torchrun and the launcher see what they always see:
+- the shim forwards SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 (torchrun's SIGTERM reaches a
+  rank's own handler: the hang demo's stack dump);
+- the shim exits with the child's exit status (a child killed by a signal: the shim kills itself with it);
+- the shim's death is the child's: the child holds the shim's connection and kills itself (and its process
+  group) when it closes, SIGKILL included;
+- `labkit.launch.kill_tree` finds the forked stand-ins (`process_tree`: the zygote records which process
+  stands for which shim) and stops them as it stops cold ones, ranks first.
 What a fork could share, and why it does not leak: as for warm notebook kernels (labkit.course.warm_kernels):
 PRELOAD is third-party modules only; a zygote serves only ranks whose environment equals its own apart from
 VOLATILE keys (torchrun's per-rank variables, LABKIT_*, JPY_*, PYTEST_*), because libraries read some
@@ -28,7 +34,6 @@ there the shim starts the rank cold. A forked rank's CPU is not the launcher's c
 """
 from __future__ import annotations
 
-import array
 import json
 import os
 import select

@@ -233,14 +233,18 @@ def fork_kernel(cmd: list[str], env: dict[str, str], cwd: str) -> ForkedKernel |
 
 
 def client_options() -> dict[str, Any]:
-    """Keyword arguments for papermill / nbclient: the warm kernel manager when enabled(), else none."""
-    return {"kernel_manager_class": manager_class()} if enabled() else {}
+    """Keyword arguments for papermill / nbclient: the warm kernel manager when enabled(), else labkit's
+    plain one (both hand out labkit.course.kernel_client's client, which cannot miss a reply)."""
+    from labkit.course.kernel_client import KernelManager
+
+    return {"kernel_manager_class": manager_class() if enabled() else KernelManager}
 
 
 def manager_class():
     """jupyter_client's AsyncKernelManager whose kernels are forked (`papermill`'s kernel_manager_class)."""
-    from jupyter_client.manager import AsyncKernelManager
     from jupyter_client.provisioning.local_provisioner import LocalProvisioner
+
+    from labkit.course.kernel_client import KernelManager as AsyncKernelManager
 
     class WarmProvisioner(LocalProvisioner):
         async def launch_kernel(self, cmd, **kwargs):

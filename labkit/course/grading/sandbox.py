@@ -247,11 +247,14 @@ def _run(args: argparse.Namespace, src: Path, dst: Path) -> dict[str, Any]:
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
     from papermill.exceptions import PapermillExecutionError
 
+    from labkit.course.kernel_client import KernelManager  # its client cannot sleep through a reply
+
     _bounded_heartbeat_stop()
     try:
         pm.execute_notebook(str(src), str(dst), parameters=json.loads(args.parameters),
                             kernel_name=args.kernel, progress_bar=False, cwd=str(args.scratch / "cwd"),
-                            execution_timeout=max(int(args.timeout), 1), start_timeout=60)
+                            execution_timeout=max(int(args.timeout), 1), start_timeout=60,
+                            kernel_manager_class=KernelManager)
         return {"outcome": OK, "detail": "ran to the end"}
     except PapermillExecutionError as exc:
         return {"outcome": CELL_ERROR, "cell": exc.cell_index, "ename": exc.ename,
