@@ -43,6 +43,8 @@ import struct
 import subprocess
 import sys
 
+from labkit import forking
+
 #: The manager's unix socket path; set (by tests/conftest.py) only where ranks should fork warm.
 SWITCH_ENV = "LABKIT_RANK_ZYGOTE"
 #: What a zygote imports before it forks any rank: the third-party modules labkit's ranks import.
@@ -244,7 +246,7 @@ def resident_pids(proc: subprocess.Popen) -> set[int]:
 
 
 def _manager(path: str, owner: int, ready_fd: int, max_zygotes: int, preload: str) -> None:
-    _set_parent_death_signal()
+    forking.set_parent_death_signal()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         os.unlink(path)
@@ -302,16 +304,10 @@ def _manager(path: str, owner: int, ready_fd: int, max_zygotes: int, preload: st
         pass
 
 
-def _set_parent_death_signal() -> None:
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 # ------------------------------------------------------------------------------------ the zygote
 def _zygote(ctl_fd: int, preload: tuple[str, ...]) -> None:
     parent = os.getppid()
-    _set_parent_death_signal()
+    forking.set_parent_death_signal()
     if os.getppid() != parent:
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -361,59 +357,23 @@ def _zygote(ctl_fd: int, preload: tuple[str, ...]) -> None:
 
 
 def _become_rank(request: dict, conn: socket.socket, stdio: list[int], close: list[int]) -> None:
-    """In the forked child: what `python -u -m labkit.rank_guard MODULE ARGS` gives after its imports, then
-    the rank itself. Never returns."""
-    code = 1
-    try:
-        zygote = os.getppid()
-        os.setsid()  # torchrun starts each rank in a session of its own
-        _set_parent_death_signal()
-        if os.getppid() != zygote:
-            os._exit(1)
-        for fd in close:
-            os.close(fd)
+    """In the forked child: what the shim's cold command gives after its imports (`python -u -m
+    labkit.rank_guard MODULE ARGS`, or torchrun's `python -m torch.distributed.run ...`), then that. Never returns."""
+    def main() -> None:
+        forking.become_fresh(request["env"], request["cwd"], close)
         for target, fd in enumerate(stdio):
             os.dup2(fd, target)
             os.close(fd)
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.chdir(request["cwd"])
-        sys.path[0] = request["cwd"]  # `python -m` puts the working directory first
-        if "numpy" in sys.modules:
-            sys.modules["numpy"].random.seed()  # a fresh interpreter's entropy, not the zygote's state
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         _watch_shim(conn)
         from labkit import rank_guard
 
         if request.get("kind") == "module":  # torchrun: its ranks check that it is their parent
             os.environ[rank_guard.PARENT_ENV] = str(os.getpid())
-            _run_module(request["argv"])
+            forking.run_module(request["argv"])
         else:
             rank_guard.run_rank(request["argv"])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001 - what an uncaught exception does to `python -m`: traceback, exit 1
-        import traceback
 
-        traceback.print_exc()
-    finally:
-        try:
-            import atexit
-
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
-
-
-def _run_module(argv: list[str]) -> None:
-    """What `python -m MODULE ARGS` does: MODULE as `__main__`, sys.argv[1:] = ARGS."""
-    import runpy
-
-    sys.argv = [argv[0], *argv[1:]]
-    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    forking.run_then_exit(main)
 
 
 def _watch_shim(conn: socket.socket) -> None:
@@ -438,7 +398,7 @@ if __name__ == "__main__":
     elif sys.argv[1] == "run":  # `python -m labkit.rank_zygote run MODULE ARGS`: MODULE forked warm, else cold
         status = delegate(sys.argv[2:], kind="module")
         if status is None:
-            _run_module(sys.argv[2:])
+            forking.run_module(sys.argv[2:])
         else:
             exit_like(status)
     elif sys.argv[1] == "zygote":

@@ -31,7 +31,6 @@ on (tests/conftest.py). The grader never uses it: a submission runs in its sandb
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import os
 import select
@@ -41,6 +40,8 @@ import sys
 import threading
 import uuid
 from typing import Any
+
+from labkit import forking
 
 #: `1`: run_notebook forks its kernels from a warm zygote (tests/conftest.py sets it for `make test`).
 SWITCH_ENV = "LABKIT_WARM_KERNELS"
@@ -312,43 +313,14 @@ def _zygote(req_fd: int, rep_fd: int) -> None:
 def _become_kernel(request: dict[str, Any], close: list[int]) -> None:
     """In the forked child: what `python -m ipykernel_launcher -f <file>` with Popen's arguments gives, then
     the kernel itself. Never returns."""
-    code = 1
-    try:
-        zygote = os.getppid()
-        os.setsid()
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the zygote's death is the kernel's
-        if os.getppid() != zygote:
-            os._exit(1)
-        for fd in close:
-            os.close(fd)
+    def main() -> None:
+        forking.become_fresh(request["env"], request["cwd"], close)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.chdir(request["cwd"])
-        sys.path[0] = request["cwd"]  # `python -m` puts the working directory first
-        if "numpy" in sys.modules:
-            sys.modules["numpy"].random.seed()  # a fresh interpreter's entropy, not the zygote's state
-        import runpy
+        forking.run_module([_LAUNCHER, *request["argv"][1:]])
 
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # the zygote ignores it; a kernel is interrupted by it
-        sys.argv = list(request["argv"])
-        runpy.run_module(_LAUNCHER, run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001 - reported as a dead kernel, traceback on stderr
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        try:
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+    forking.run_then_exit(main)
 
 
 if __name__ == "__main__":
