@@ -9,6 +9,10 @@ import signal
 import sys
 from typing import Callable, NoReturn
 
+#: Where torchrun's pid is for its ranks' parent checks (set by labkit.rank_guard's exec guard for a cold
+#: torchrun, by labkit.rank_zygote for a forked one).
+TORCHRUN_PID_ENV = "LABKIT_TORCHRUN_PID"
+
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     """Linux sends `sig` to this process when its parent dies (PR_SET_PDEATHSIG)."""
@@ -37,10 +41,15 @@ def become_fresh(env: dict[str, str], cwd: str, close: list[int]) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the zygote ignores it
 
 
-def run_module(argv: list[str]) -> None:
-    """What `python -m MODULE ARGS` does: MODULE (argv[0]) as `__main__`, sys.argv[1:] = ARGS."""
+def run_module(argv: list[str], *, quiet: bool = False) -> None:
+    """What `python -m MODULE ARGS` does: MODULE (argv[0]) as `__main__`, sys.argv[1:] = ARGS; `quiet`: with
+    third-party import noise filtered first (labkit.quiet, as for a rank)."""
     import runpy
 
+    if quiet:
+        from labkit import quiet as noise
+
+        noise.install()
     sys.argv = [argv[0], *argv[1:]]
     runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
 

@@ -24,8 +24,10 @@ import signal
 import sys
 import threading
 
+from labkit import forking
+
 #: Environment variable holding torchrun's pid, set by the guard that becomes torchrun.
-PARENT_ENV = "LABKIT_TORCHRUN_PID"
+PARENT_ENV = forking.TORCHRUN_PID_ENV
 _WATCH_S = 0.5
 _PR_SET_PDEATHSIG = 1
 
@@ -94,13 +96,9 @@ def guard_rank() -> None:
 
 def run_rank(argv: list[str]) -> None:
     """Quieten third-party import noise, then run MODULE (argv[0]) with its ARGS as `__main__`."""
-    import runpy
+    from labkit import forking
 
-    from labkit import quiet
-
-    quiet.install()
-    sys.argv = [argv[0], *argv[1:]]
-    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    forking.run_module(argv, quiet=True)
 
 
 def main(argv: list[str]) -> None:

@@ -365,13 +365,11 @@ def _become_rank(request: dict, conn: socket.socket, stdio: list[int], close: li
             os.dup2(fd, target)
             os.close(fd)
         _watch_shim(conn)
-        from labkit import rank_guard
-
         if request.get("kind") == "module":  # torchrun: its ranks check that it is their parent
-            os.environ[rank_guard.PARENT_ENV] = str(os.getpid())
+            os.environ[forking.TORCHRUN_PID_ENV] = str(os.getpid())
             forking.run_module(request["argv"])
-        else:
-            rank_guard.run_rank(request["argv"])
+        else:  # a rank: what labkit.rank_guard runs after its guard
+            forking.run_module(request["argv"], quiet=True)
 
     forking.run_then_exit(main)
 
