@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shutil
 import sys
 import tempfile
 import textwrap
@@ -72,6 +73,7 @@ def main() -> None:
                     results[kind].append((cpu, wall))
     finally:
         rank_zygote.stop_manager(manager)
+        shutil.rmtree(folder, ignore_errors=True)
     cold, warm = results["cold"][1:], results["warm"]  # the first cold launch warmed the page cache
     print(f"cold: CPU s per launch {[round(c, 1) for c, _ in cold]}, wall s {[round(w, 1) for _, w in cold]}")
     print(f"warm: CPU s per launch {[round(c, 1) for c, _ in warm]}, wall s {[round(w, 1) for _, w in warm]}")
