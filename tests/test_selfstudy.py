@@ -37,6 +37,19 @@ def test_self_study_release_has_labs_and_visible_tests_only(tmp_path, capsys):
     assert secret and not any(line.strip() in code for line in secret)  # (a markdown hint may quote one line)
 
 
+def test_a_release_outside_the_course_folder_carries_what_its_labs_link_to(tmp_path):
+    from labkit.course.links import notebook_links
+
+    labs = tmp_path / "elsewhere" / "my-labs"
+    rel = make_self_study(labs, SOURCE)
+    targets = {(nb.name, t) for nb in labs.glob("*.ipynb") for t in notebook_links(nb)}
+    assert any(t.startswith("docs/") for _, t in targets)  # 01's docs/memory.md, ...
+    dead = [(nb, t) for nb, t in targets if not (labs / t).exists()]
+    assert not dead and not any(t.startswith("../") for _, t in targets)
+    assert "docs/memory.md" in rel.written and (labs / "docs" / "memory.md").read_text() == \
+        (ROOT / "docs" / "memory.md").read_text()
+
+
 def test_a_rerun_keeps_the_learners_work_and_restores_what_is_missing(tmp_path):
     labs = tmp_path / "my-labs"
     make_self_study(labs, SOURCE)

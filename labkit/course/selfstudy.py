@@ -56,6 +56,8 @@ def make_self_study(out_dir: str | Path = DEFAULT_OUT, source_dir: str | Path | 
     with tempfile.TemporaryDirectory(prefix="labkit-release-") as tmp:
         release = make_release(tmp, source)  # validates every notebook before anything is written
         fresh = Path(tmp) / "notebooks"
+        if resolved.parent != source.resolve().parent:  # not beside the course's docs/: carry what the labs link to
+            _carry_links(source, fresh)
         written, kept, unchanged = [], [], []
         for path in sorted(p for p in fresh.rglob("*") if p.is_file() and not p.name.endswith(MANIFEST_SUFFIX)):
             rel = path.relative_to(fresh)
@@ -67,6 +69,25 @@ def make_self_study(out_dir: str | Path = DEFAULT_OUT, source_dir: str | Path | 
             shutil.copy2(path, target)
             written.append(str(rel))
     return SelfStudyRelease(out, tuple(written), tuple(kept), tuple(unchanged), len(release.exercises))
+
+
+def _carry_links(source: Path, fresh: Path) -> None:
+    """A release outside the course folder: the labs' `../docs/x.md` links would be dead there. Put every course
+    file the labs link to into the release (`docs/x.md`) and make the notebooks' links point one level down."""
+    import json
+
+    from labkit.course.links import copy_linked
+
+    copy_linked(source, fresh)  # at the same place relative to the labs' folder as in the course: docs/x.md
+    for path in fresh.glob("*.ipynb"):
+        nb = json.loads(path.read_text(encoding="utf-8"))
+        for cell in nb["cells"]:
+            if cell["cell_type"] == "markdown":
+                text = "".join(cell["source"])
+                for old, new in (("](../", "]("), ("](<../", "](<"), ('href="../', 'href="'), ('src="../', 'src="')):
+                    text = text.replace(old, new)
+                cell["source"] = text.splitlines(keepends=True)
+        path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def format_self_study(rel: SelfStudyRelease) -> str:
