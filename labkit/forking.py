@@ -14,22 +14,29 @@ from typing import Callable, NoReturn
 TORCHRUN_PID_ENV = "LABKIT_TORCHRUN_PID"
 
 
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
-    """Linux sends `sig` to this process when its parent dies (PR_SET_PDEATHSIG)."""
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask Linux to send `sig` to this process when its parent (thread) dies; False if unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
     import ctypes
 
-    ctypes.CDLL(None).prctl(1, int(sig))
+    return ctypes.CDLL(None, use_errno=True).prctl(1, int(sig)) == 0  # PR_SET_PDEATHSIG
+
+
+def tie_to_parent() -> None:
+    """Die with the parent (its death signal); exit now if it died before the signal was set."""
+    parent = os.getppid()
+    set_parent_death_signal()
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def become_fresh(env: dict[str, str], cwd: str, close: list[int]) -> None:
     """In a child just forked from a zygote: its own session, the zygote's death its own, none of the zygote's
     descriptors in `close`, the environment, working directory and import path a fresh `python -m` started
     in `cwd` with `env` gets, numpy's global random state reseeded, Ctrl-C as Python's default."""
-    zygote = os.getppid()
     os.setsid()
-    set_parent_death_signal()
-    if os.getppid() != zygote:  # the zygote died before the prctl
-        os._exit(1)
+    tie_to_parent()  # the zygote's death is this process's
     for fd in close:
         os.close(fd)
     os.environ.clear()

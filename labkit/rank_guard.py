@@ -29,7 +29,8 @@ from labkit import forking
 #: Environment variable holding torchrun's pid, set by the guard that becomes torchrun.
 PARENT_ENV = forking.TORCHRUN_PID_ENV
 _WATCH_S = 0.5
-_PR_SET_PDEATHSIG = 1
+#: Ask Linux to send a signal to this process when its parent (thread) dies (one implementation: labkit.forking).
+set_parent_death_signal = forking.set_parent_death_signal
 
 # Runs in a bare interpreter (-I -S: no site, no PYTHONPATH): sets the death signal, checks the
 # launcher (argv[1]) is still the parent, records its own pid (torchrun's, after exec) for the ranks.
@@ -51,15 +52,6 @@ def guarded(cmd: list[str], env: dict[str, str] | None = None) -> list[str]:
     from labkit import rank_zygote
 
     return [sys.executable, "-I", "-S", "-c", _EXEC_GUARD, str(os.getpid()), *rank_zygote.warm_command(cmd, env)]
-
-
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
-    """Ask Linux to send `sig` to this process when its parent (thread) dies; False if unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-
-    return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig)) == 0
 
 
 def _die() -> None:
@@ -94,13 +86,6 @@ def guard_rank() -> None:
     watch_parent(int(parent))
 
 
-def run_rank(argv: list[str]) -> None:
-    """Quieten third-party import noise, then run MODULE (argv[0]) with its ARGS as `__main__`."""
-    from labkit import forking
-
-    forking.run_module(argv, quiet=True)
-
-
 def main(argv: list[str]) -> None:
     """`python -m labkit.rank_guard MODULE ARGS...`: guard, quieten, then run MODULE as __main__ -- or, in
     the test suite (labkit.rank_zygote), have a warm zygote fork the rank and stand in for it."""
@@ -112,7 +97,7 @@ def main(argv: list[str]) -> None:
     code = rank_zygote.delegate(argv)
     if code is not None:
         rank_zygote.exit_like(code)
-    run_rank(argv)
+    forking.run_module(argv, quiet=True)
 
 
 if __name__ == "__main__":

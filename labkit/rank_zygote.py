@@ -73,8 +73,11 @@ def _key(env: dict[str, str]) -> tuple:
 
 def _send(sock: socket.socket, msg: dict, fds: list[int] = ()) -> None:
     data = json.dumps(msg).encode()
-    sock.sendall(struct.pack("!I", len(data)), 0) if not fds else \
-        socket.send_fds(sock, [struct.pack("!I", len(data))], list(fds))
+    head = struct.pack("!I", len(data))
+    if fds:
+        socket.send_fds(sock, [head], list(fds))  # the descriptors travel with the length
+    else:
+        sock.sendall(head)
     sock.sendall(data)
 
 
@@ -89,17 +92,17 @@ def _recv(sock: socket.socket, maxfds: int = 0) -> tuple[dict | None, list[int]]
         if not more:
             break
         head += more
-    if len(head) < 4:
+    (size,) = struct.unpack("!I", head) if len(head) == 4 else (None,)
+    data = b""
+    while size is not None and len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            size = None
+        data += chunk
+    if size is None:
         for fd in fds:
             os.close(fd)
         return None, []
-    (size,) = struct.unpack("!I", head)
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            return None, fds
-        data += chunk
     return json.loads(data), list(fds)
 
 
@@ -134,12 +137,7 @@ def delegate(argv: list[str], kind: str = "rank") -> int | None:
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
-    while True:
-        try:
-            reply, _ = _recv(sock)
-            break
-        except InterruptedError:
-            continue
+    reply, _ = _recv(sock)  # a forwarded signal interrupts the wait, which resumes (PEP 475)
     return 1 if reply is None else int(reply["exit"])
 
 
@@ -306,10 +304,7 @@ def _manager(path: str, owner: int, ready_fd: int, max_zygotes: int, preload: st
 
 # ------------------------------------------------------------------------------------ the zygote
 def _zygote(ctl_fd: int, preload: tuple[str, ...]) -> None:
-    parent = os.getppid()
-    forking.set_parent_death_signal()
-    if os.getppid() != parent:
-        os._exit(1)
+    forking.tie_to_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for name in preload + tuple(m for m, var in PRELOAD_IF_SET.items() if os.environ.get(var)):
         try:

@@ -245,7 +245,7 @@ def manager_class():
     """jupyter_client's AsyncKernelManager whose kernels are forked (`papermill`'s kernel_manager_class)."""
     from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 
-    from labkit.course.kernel_client import KernelManager as AsyncKernelManager
+    from labkit.course.kernel_client import KernelManager
 
     class WarmProvisioner(LocalProvisioner):
         async def launch_kernel(self, cmd, **kwargs):
@@ -257,7 +257,7 @@ def manager_class():
             self.process, self.pid, self.pgid, self.cwd = process, process.pid, process.pid, cwd  # own session
             return self.connection_info
 
-    class WarmKernelManager(AsyncKernelManager):
+    class WarmKernelManager(KernelManager):
         async def _async_pre_start_kernel(self, **kw):
             if self.provisioner is None:  # the base class creates jupyter_client's LocalProvisioner otherwise
                 self.kernel_id = self.kernel_id or kw.pop("kernel_id", str(uuid.uuid4()))
