@@ -74,20 +74,21 @@ def make_self_study(out_dir: str | Path = DEFAULT_OUT, source_dir: str | Path | 
 def _carry_links(source: Path, fresh: Path) -> None:
     """A release outside the course folder: the labs' `../docs/x.md` links would be dead there. Put every course
     file the labs link to into the release (`docs/x.md`) and make the notebooks' links point one level down."""
-    import json
+    import nbformat
 
     from labkit.course.links import copy_linked
 
     copy_linked(source, fresh)  # at the same place relative to the labs' folder as in the course: docs/x.md
+    down = (("](../", "]("), ("](<../", "](<"), ('href="../', 'href="'), ('src="../', 'src="'))
     for path in fresh.glob("*.ipynb"):
-        nb = json.loads(path.read_text(encoding="utf-8"))
-        for cell in nb["cells"]:
-            if cell["cell_type"] == "markdown":
-                text = "".join(cell["source"])
-                for old, new in (("](../", "]("), ("](<../", "](<"), ('href="../', 'href="'), ('src="../', 'src="')):
-                    text = text.replace(old, new)
-                cell["source"] = text.splitlines(keepends=True)
-        path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        nb = nbformat.read(path, as_version=4)
+        before = [cell.source for cell in nb.cells]
+        for cell in nb.cells:
+            if cell.cell_type == "markdown":
+                for old, new in down:
+                    cell.source = cell.source.replace(old, new)
+        if [cell.source for cell in nb.cells] != before:
+            nbformat.write(nb, path)
 
 
 def format_self_study(rel: SelfStudyRelease) -> str:
