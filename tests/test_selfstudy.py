@@ -157,3 +157,5 @@ def test_labkit_check_in_a_class_release_ends_saying_visible_tests_only(tmp_path
     assert last == ("visible tests only: the graded run adds 1 hidden check(s) and 3 hidden test(s) with other "
                     "sizes and world sizes")
     assert "visible tests only" not in format_report(CheckReport("00_setup", (), 0, ()))  # nothing hidden: no line
+    assert format_report(CheckReport("04_fsdp", (), 1, ())).splitlines()[-1] == \
+        "visible checks only: the graded run adds 1 hidden check(s)"

@@ -141,8 +141,9 @@ def format_report(report: CheckReport) -> str:
                      f"answer key); a reference solution: `labkit solution {report.notebook} NAME` (no NAME: the list)")
     elif report.hidden or report.hidden_code:
         tests = sum(info.tests for info in report.hidden_code.values())
-        lines.append(f"visible tests only: the graded run adds {report.hidden} hidden check(s) and {tests} hidden "
-                     "test(s) with other sizes and world sizes")
+        adds = [f"{report.hidden} hidden check(s)"] * bool(report.hidden) + \
+            [f"{tests} hidden test(s) with other sizes and world sizes"] * bool(tests)
+        lines.append(f"visible {'tests' if tests else 'checks'} only: the graded run adds {' and '.join(adds)}")
     return "\n".join(lines)
 
 
