@@ -144,7 +144,8 @@ def test_labkit_check_in_my_labs_fails_a_chunk_based_ring_with_the_hidden_tests_
 
 def test_labkit_check_in_a_class_release_ends_saying_visible_tests_only(tmp_path):
     """The report of a class release's notebook (labkit.cli.check's pure core: no exercise runs here)."""
-    from labkit.cli.check import CheckReport, format_report, own_hidden_tests
+    from labkit.cli.check import CheckReport, format_report
+    from labkit.course.exercises.hidden import own_hidden_tests
     from labkit.course.exercises.hidden import HiddenInfo
     from labkit.course.exercises.release import make_release
 
@@ -159,3 +160,19 @@ def test_labkit_check_in_a_class_release_ends_saying_visible_tests_only(tmp_path
     assert "visible tests only" not in format_report(CheckReport("00_setup", (), 0, ()))  # nothing hidden: no line
     assert format_report(CheckReport("04_fsdp", (), 1, ())).splitlines()[-1] == \
         "visible checks only: the graded run adds 1 hidden check(s)"
+
+
+def test_ex_check_in_my_labs_says_the_hidden_tests_are_the_learners(tmp_path, capsys, monkeypatch):
+    from labkit.course import exercises as ex
+
+    make_self_study(tmp_path / "my-labs", SOURCE)
+    monkeypatch.chdir(tmp_path / "my-labs")  # where Jupyter runs a notebook of the copy
+
+    def model_state_bytes(*args, **kwargs):
+        raise NotImplementedError("exercise model_state_bytes")
+
+    ex.check(model_state_bytes)
+    out = capsys.readouterr().out
+    assert "model_state_bytes: not attempted" in out
+    assert "hidden tests (4 pts) in your copy's tests/hidden/ (`labkit check` runs them): they vary" in out
+    assert "when your instructor grades" not in out

@@ -17,7 +17,7 @@ import click
 
 from labkit.course.exercises.grading import DEFAULT_TIMEOUT_S, ExerciseGrade, grade_exercises, plan_for, \
     source_tests_dir
-from labkit.course.exercises.hidden import hidden_info
+from labkit.course.exercises.hidden import hidden_info, own_hidden_tests
 from labkit.errors import GradingError
 from labkit.course.grading import tamper
 from labkit.course.grading.checks import CheckResult
@@ -53,15 +53,6 @@ def tests_dir_for(path: Path) -> Path | None:
         if folder.is_dir():
             return folder
     return None
-
-
-def own_hidden_tests(notebook: str, tests_dir: Path | None) -> Path | None:
-    """The hidden tests a learner's own copy carries (TESTS/hidden/NN_x.py beside the visible ones); None in a
-    class release, and in the course's source tree (its authors grade with `labkit grade`)."""
-    if tests_dir is None or Path(tests_dir).resolve() == source_tests_dir().resolve():
-        return None
-    path = Path(tests_dir) / "hidden" / f"{notebook}.py"
-    return path if path.is_file() else None
 
 
 def check_notebook(path: str | Path, name: str | None = None, *, tests: str | Path | None = None,
