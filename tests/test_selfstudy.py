@@ -135,6 +135,8 @@ def test_labkit_check_in_my_labs_fails_a_chunk_based_ring_with_the_hidden_tests_
     nb = nbformat.read(labs / "03_ddp.ipynb", 4)
     cell = next(c for c in nb.cells if c.cell_type == "code" and "def ring_allreduce" in c.source)
     cell.source = _chunk_ring(exercise_cells(nbformat.read(SOURCE / "03_ddp.ipynb", 4))["ring_allreduce"])
+    others = ("def average_gradients", "def overlap_gradient_averaging")  # cut: no process for them ("missing")
+    nb.cells = [c for c in nb.cells if not any(o in c.source for o in others)]
     nbformat.write(nb, labs / "03_ddp.ipynb")
     code, out, _ = _run(capsys, "check", str(labs / "03_ddp.ipynb"))
     assert code == 1 and "FAIL  ring_allreduce: 2/3 tests pass" in out  # the visible tests pass ...
