@@ -10,8 +10,8 @@ LOCK := requirements/lock.txt
 # torch/torchvision as locked; our CPU machines install this build from local disk.
 TORCH_PINS = $(shell grep -E '^torch(vision)?==' $(LOCK))
 # On a GPU node the wheel index follows the driver: labkit/cudadriver.py picks the newest CUDA build
-# of the locked torch that the driver supports and that has kernels for every GPU (nothing without
-# nvidia-smi: PyPI's build). PyPI's torch 2.14 is a CUDA 13.0 build without Volta kernels: on a V100
+# of the locked torch that the driver supports and that has kernels for every GPU (without a driver: the
+# CPU build, below). PyPI's torch 2.14 is a CUDA 13.0 build without Volta kernels: on a V100
 # node that is https://download.pytorch.org/whl/cu126 (driver >= 560.28.03); to choose it yourself,
 # `make lab TORCH_INDEX=https://download.pytorch.org/whl/cu126` (docs/gpu-node.md). Without an NVIDIA driver: the
 # locked torch's CPU build from CPU_INDEX (a few hundred MB instead of gigabytes of CUDA libraries), or PyPI's
