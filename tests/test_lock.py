@@ -273,3 +273,27 @@ def test_a_fitting_driver_or_none_changes_nothing():
         ["no CUDA device found -> use --profile smoke"]
     cpu = {"torch": {"installed": True, "cuda_build": "13.0", "devices": []}, "driver": {"version": None}}
     assert envinfo.driver_gap(cpu["torch"], cpu["driver"]) is None
+
+
+def test_make_lab_on_macos_skips_deepspeeds_ops_and_native_windows_stops_in_one_line(tmp_path):
+    """The Makefile's own recipes with `uname -s` as a Mac and as Git Bash report it (neither OS is tried here)."""
+    venv_bin = tmp_path / "bin"
+    venv_bin.mkdir()
+    (venv_bin / ".installed").touch()  # a venv already built: `lab` goes straight to its own lines
+    (venv_bin / "jupyter").write_text('#!/bin/sh\necho "jupyter $1"\n')
+    (venv_bin / "jupyter").chmod(0o755)
+
+    def make(*args):
+        return subprocess.run(["make", "-s", "--no-print-directory", "-C", str(ROOT), *args], capture_output=True,
+                              text=True, timeout=60)
+
+    mac = make("lab", "UNAME_S=Darwin", f"BIN={venv_bin}")  # ds-ops would need $(BIN)/python: it is not run
+    assert mac.returncode == 0, mac.stderr
+    note, started = mac.stdout.strip().splitlines()
+    assert note.startswith("macOS (untested): the labs run on the CPU in PROFILE = \"smoke\"; not here: DeepSpeed's")
+    assert started == "jupyter lab"
+    windows = make("venv", "UNAME_S=MINGW64_NT-10.0", f"BIN={tmp_path / 'none'}")
+    assert windows.returncode != 0 and windows.stdout.strip().splitlines() == [
+        "error: native Windows (MINGW64_NT-10.0) cannot run the labs (torchrun's gloo ranks, DeepSpeed, bubblewrap): "
+        "install WSL2 and run make lab inside it (docs/self-study.md)"]
+    assert not (tmp_path / "none").exists()  # nothing was built
