@@ -10,23 +10,37 @@ LOCK := requirements/lock.txt
 # torch/torchvision as locked; our CPU machines install this build from local disk.
 TORCH_PINS = $(shell grep -E '^torch(vision)?==' $(LOCK))
 # On a GPU node the wheel index follows the driver: labkit/cudadriver.py picks the newest CUDA build
-# of the locked torch that the driver supports and that has kernels for every GPU (nothing without
-# nvidia-smi: PyPI's build). PyPI's torch 2.14 is a CUDA 13.0 build without Volta kernels: on a V100
+# of the locked torch that the driver supports and that has kernels for every GPU (without a driver: the
+# CPU build, below). PyPI's torch 2.14 is a CUDA 13.0 build without Volta kernels: on a V100
 # node that is https://download.pytorch.org/whl/cu126 (driver >= 560.28.03); to choose it yourself,
-# `make lab TORCH_INDEX=https://download.pytorch.org/whl/cu126` (docs/gpu-node.md).
+# `make lab TORCH_INDEX=https://download.pytorch.org/whl/cu126` (docs/gpu-node.md). Without an NVIDIA driver: the
+# locked torch's CPU build from CPU_INDEX (a few hundred MB instead of gigabytes of CUDA libraries), or PyPI's
+# build, said in one line, when CPU_INDEX cannot be reached (our CI machines reach PyPI only).
 TORCH_INDEX ?=
+CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_INDEX_CMD = $(PYTHON) -I labkit/cudadriver.py --cpu-index $(CPU_INDEX)
+# What `make lab` can do on this OS (docs/self-study.md; macOS and WSL2 are untested here): Linux and WSL2
+# everything, macOS the labs on the CPU without DeepSpeed's CPU ops, native Windows nothing (use WSL2).
+UNAME_S := $(shell uname -s 2>/dev/null || echo Windows)
+NATIVE_WINDOWS := $(filter MINGW% MSYS% CYGWIN% Windows%,$(UNAME_S))
+MACOS := $(filter Darwin,$(UNAME_S))
+WSL := $(if $(MACOS)$(NATIVE_WINDOWS),,$(shell grep -qi microsoft /proc/sys/kernel/osrelease 2>/dev/null && echo yes))
+WINDOWS_NOTE = error: native Windows ($(UNAME_S)) cannot run the labs (torchrun's gloo ranks, DeepSpeed, bubblewrap): install WSL2 and run make lab inside it (docs/self-study.md)
+MACOS_NOTE = macOS (untested): the labs run on the CPU in PROFILE = \"smoke\"; not here: DeepSpeed's CPU ops (lab 05 and lab 08's ZeRO runs: use Linux, WSL2 or Kaggle), CUDA profiles, labkit grade --execute (bubblewrap is Linux-only); docs/self-study.md
+WSL_NOTE = WSL2 (untested): as on Linux; a GPU through Windows' NVIDIA driver runs the 1-GPU profiles, several GPUs (NCCL under WSL2) are unverified; docs/self-study.md
 # DeepSpeed JIT-builds its C++ ops on first use; keep that cache inside the repo's ignored build dir.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(BUILD)/torch_extensions
 export MPLBACKEND := Agg
 PYTEST_ARGS ?=
 
-.PHONY: lab test ds-ops test-fast test-changed test-profile smoke rehearse venv lock kernel clean-notebooks clean bench slides chromium bubblewrap student site site-deps
+.PHONY: lab torch-index test ds-ops test-fast test-changed test-profile smoke rehearse venv lock kernel clean-notebooks clean bench slides chromium bubblewrap student site site-deps
 
 $(BIN)/.installed: pyproject.toml $(LOCK)
+	@if [ -n "$(NATIVE_WINDOWS)" ]; then echo "$(WINDOWS_NOTE)"; exit 1; fi
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	index="$(TORCH_INDEX)"; if [ -z "$$index" ]; then index=$$($(PYTHON) -I labkit/cudadriver.py) || exit 1; fi; \
+	index="$(TORCH_INDEX)"; if [ -z "$$index" ]; then index=$$($(TORCH_INDEX_CMD)) || exit 1; fi; \
 	from=$${index:+--index-url $$index --extra-index-url https://pypi.org/simple}; \
 	$(BIN)/python -m pip install -c $(LOCK) $$from $(TORCH_PINS) && \
 	$(BIN)/python -m pip install -c $(LOCK) $$from $(TORCH_PINS) -e '.[test]'
@@ -34,6 +48,10 @@ $(BIN)/.installed: pyproject.toml $(LOCK)
 	touch $@
 
 venv: $(BIN)/.installed
+
+# The wheel index `make venv` would install torch from on this machine ('' = PyPI's), and on stderr why.
+torch-index:
+	@$(TORCH_INDEX_CMD)
 
 # DeepSpeed's CPU ops (shm_comm, cpu_adam: minutes of C++ on 2 cores), built once into TORCH_EXTENSIONS_DIR
 # instead of by the first DeepSpeed run while the others wait on its lock (labkit/parallel/ds_ops.py). On a
@@ -61,7 +79,9 @@ kernel: venv
 
 # LAB_ARGS passes options to JupyterLab, e.g. LAB_ARGS="--no-browser --port 8888" on a remote node.
 LAB_ARGS ?=
-lab: venv ds-ops
+lab: venv $(if $(MACOS),,ds-ops)
+	@if [ -n "$(MACOS)" ]; then echo "$(MACOS_NOTE)"; fi
+	@if [ -n "$(WSL)" ]; then echo "$(WSL_NOTE)"; fi
 	$(BIN)/jupyter lab --notebook-dir=notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_ARGS)
 
 # The whole suite on 2 pytest-xdist workers; tests/_schedule.py groups each file (and files sharing a fixture)

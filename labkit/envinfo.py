@@ -77,7 +77,7 @@ def torch_facts() -> dict[str, Any]:
 def host_facts() -> dict[str, Any]:
     import psutil
 
-    return {"platform": platform.platform(), "cpu_cores": os.cpu_count() or 1,
+    return {"platform": platform.platform(), "system": platform.system(), "cpu_cores": os.cpu_count() or 1,
             "ram_gb": round(psutil.virtual_memory().total / 1e9, 1)}
 
 
@@ -200,6 +200,16 @@ def has_kernels(arch_list: list[str] | None, capability: list[int]) -> bool:
     return False
 
 
+def build_name(torch: dict[str, Any]) -> str:
+    """'CPU build' or 'CUDA build 13.0': which torch wheel is installed (`make venv` picks it, labkit.cudadriver)."""
+    return f"CUDA build {torch['cuda_build']}" if torch.get("cuda_build") else "CPU build"
+
+
+#: A CUDA build on a machine without an NVIDIA driver: what `make venv` installs where PyTorch's CPU index is unreachable.
+UNUSED_CUDA = ("a CUDA build of torch without an NVIDIA driver: its CUDA libraries (gigabytes) are never used -> the "
+               "CPU build: rm -rf .venv && make venv (where https://download.pytorch.org/whl/cpu answers)")
+
+
 def fixes(facts: dict[str, Any]) -> list[str]:
     """One line per missing thing: what is missing -> the command that fixes it."""
     out = [f"{dist} is not installed -> {cmd}" for dist, cmd in PACKAGES.items()
@@ -210,6 +220,9 @@ def fixes(facts: dict[str, Any]) -> list[str]:
         out.append(gap)
     elif torch.get("installed") and not torch.get("devices"):
         out.append("no GPU: only the smoke profile runs here -> use --profile smoke")
+        if torch.get("cuda_build") and not (facts.get("driver") or {}).get("version") and facts.get("host", {}).get(
+                "system", "Linux") == "Linux":
+            out.append(UNUSED_CUDA)
     lock = facts.get("lock") or {}
     if lock.get("matches") is False:
         out.append(f"this environment differs from {lockfile.LOCK_PATH} (see `lock` above) -> reinstall with the "
@@ -241,8 +254,7 @@ def format_report(facts: dict[str, Any]) -> str:
     for dist, version in pkgs.items():
         lines.append(f"{dist:<12} {version or 'MISSING'}")
     if torch.get("installed"):
-        lines.append(f"cuda build   {torch['cuda_build'] or 'none (CPU-only torch)'}; NCCL {torch['nccl'] or '-'}; "
-                     f"gloo {'yes' if torch['gloo'] else 'no'}")
+        lines.append(f"torch build  {build_name(torch)}; NCCL {torch['nccl'] or '-'}; gloo {'yes' if torch['gloo'] else 'no'}")
     if facts.get("platform"):  # Colab / Kaggle / none (labkit.hosted), with the profile to run there
         profile = next((p for name, _var, p in hosted.PLATFORMS.values() if name == facts["platform"]), None)
         lines.append(f"platform     {facts['platform']}" + (f": use --profile {profile}" if profile else ""))

@@ -94,3 +94,26 @@ def test_cli_json_is_valid_json_on_stdout_and_never_imports_deepspeed():
                 if line.startswith("import time")}
     assert "torch" in imported  # the import log is really there ...
     assert {"deepspeed", "bitsandbytes"}.isdisjoint(imported)  # ... and names neither
+
+
+def test_labkit_env_names_the_torch_build_cpu_or_cuda(facts):
+    import torch
+
+    text = envinfo.format_report(facts)
+    want = f"CUDA build {torch.version.cuda}" if torch.version.cuda else "CPU build"  # this machine's, as installed
+    assert f"torch build  {want}; NCCL " in text
+    cpu = {**facts, "torch": {**facts["torch"], "cuda_build": None, "nccl": None, "devices": []}}
+    assert "torch build  CPU build; NCCL -; gloo yes" in envinfo.format_report(cpu).splitlines()
+    cuda = {**facts, "torch": {**facts["torch"], "cuda_build": "12.6"}}
+    assert "torch build  CUDA build 12.6; NCCL " in envinfo.format_report(cuda)
+    assert "cuda build" not in envinfo.format_report(cpu) + envinfo.format_report(cuda)
+
+
+def test_a_cuda_build_without_a_driver_names_the_cpu_build_as_the_fix(facts):
+    no_gpu = {"packages": {}, "host": {"system": "Linux"}, "driver": {"version": None, "gpus": []},
+              "torch": {"installed": True, "cuda_build": "13.0", "devices": []}}
+    assert envinfo.UNUSED_CUDA in envinfo.fixes(no_gpu)
+    cpu_build = {**no_gpu, "torch": {**no_gpu["torch"], "cuda_build": None}}
+    assert envinfo.UNUSED_CUDA not in envinfo.fixes(cpu_build)  # the CPU build: nothing to fix
+    with_driver = {**no_gpu, "driver": {"version": "580.95.05", "gpus": []}}
+    assert envinfo.UNUSED_CUDA not in envinfo.fixes(with_driver)  # a driver: the CUDA libraries may serve

@@ -183,11 +183,61 @@ def test_make_lab_takes_the_index_from_nvidia_smi(tmp_path):
     assert old.returncode == 1 and old.stdout == "" and "error: NVIDIA driver 535.104.05 is too old" in old.stderr
 
 
-def test_make_lab_without_a_driver_uses_the_default_build():
-    env = {**os.environ, "PATH": "/usr/bin:/bin"}
-    assert not any(Path(d, "nvidia-smi").exists() for d in env["PATH"].split(os.pathsep))
-    out = run_make_helper(env)
-    assert out.returncode == 0 and out.stdout.strip() == ""
+def no_driver(tmp_path: Path) -> dict:
+    """PATH with an nvidia-smi that cannot reach a driver (as where the utility is installed but no driver loads)."""
+    exe = tmp_path / "nvidia-smi"
+    exe.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver.'"
+                   " >&2; exit 9\n")
+    exe.chmod(0o755)
+    return {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+
+
+@pytest.fixture
+def local_index(tmp_path):
+    """A wheel index on 127.0.0.1 with a torch page (PyTorch's CPU index, as this machine cannot reach it)."""
+    import functools
+    import http.server
+    import threading
+
+    (tmp_path / "index" / "torch").mkdir(parents=True)
+    (tmp_path / "index" / "torch" / "index.html").write_text("<a href='torch-2.14.1+cpu-cp311.whl'>torch</a>\n")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / "index"))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+def make_torch_index(env: dict, cpu_index: str) -> subprocess.CompletedProcess:
+    """What `make venv` installs torch from ('' = PyPI), through the Makefile's own line (`make torch-index`)."""
+    return subprocess.run(["make", "-s", "--no-print-directory", "-C", str(ROOT), "torch-index",
+                           f"PYTHON={sys.executable}", f"CPU_INDEX={cpu_index}"],
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_make_lab_without_a_driver_installs_the_cpu_build_from_the_cpu_index(tmp_path, local_index):
+    out = make_torch_index(no_driver(tmp_path), local_index)
+    assert out.returncode == 0 and out.stdout.strip() == local_index, out.stderr
+    assert out.stderr.strip() == f"torch: the locked torch's CPU build from {local_index} (no NVIDIA driver here)"
+
+
+def test_make_lab_falls_back_to_pypi_in_one_line_when_the_cpu_index_is_unreachable(tmp_path, local_index):
+    dead = local_index + "nowhere/"  # answers 404: an index without torch
+    for index in (dead, "http://127.0.0.1:9/whl/cpu"):  # port 9: refused
+        out = make_torch_index(no_driver(tmp_path), index)
+        assert out.returncode == 0 and out.stdout.strip() == "", out.stderr  # '' = PyPI's build
+        (line,) = out.stderr.strip().splitlines()
+        assert line.startswith(f"torch: PyTorch's CPU wheel index {index} cannot be reached (")
+        assert "installing PyPI's build instead, a CUDA build" in line
+
+
+def test_a_mac_takes_pypis_build_which_is_the_cpu_one():
+    assert cudadriver.no_driver_index("http://127.0.0.1:9/", system="Darwin") == \
+        ("", "torch: PyPI's macOS build (CPU; no CUDA on a Mac)")
 
 
 def node(cuda_build: str, driver: str) -> dict:
@@ -223,3 +273,27 @@ def test_a_fitting_driver_or_none_changes_nothing():
         ["no CUDA device found -> use --profile smoke"]
     cpu = {"torch": {"installed": True, "cuda_build": "13.0", "devices": []}, "driver": {"version": None}}
     assert envinfo.driver_gap(cpu["torch"], cpu["driver"]) is None
+
+
+def test_make_lab_on_macos_skips_deepspeeds_ops_and_native_windows_stops_in_one_line(tmp_path):
+    """The Makefile's own recipes with `uname -s` as a Mac and as Git Bash report it (neither OS is tried here)."""
+    venv_bin = tmp_path / "bin"
+    venv_bin.mkdir()
+    (venv_bin / ".installed").touch()  # a venv already built: `lab` goes straight to its own lines
+    (venv_bin / "jupyter").write_text('#!/bin/sh\necho "jupyter $1"\n')
+    (venv_bin / "jupyter").chmod(0o755)
+
+    def make(*args):
+        return subprocess.run(["make", "-s", "--no-print-directory", "-C", str(ROOT), *args], capture_output=True,
+                              text=True, timeout=60)
+
+    mac = make("lab", "UNAME_S=Darwin", f"BIN={venv_bin}")  # ds-ops would need $(BIN)/python: it is not run
+    assert mac.returncode == 0, mac.stderr
+    note, started = mac.stdout.strip().splitlines()
+    assert note.startswith("macOS (untested): the labs run on the CPU in PROFILE = \"smoke\"; not here: DeepSpeed's")
+    assert started == "jupyter lab"
+    windows = make("venv", "UNAME_S=MINGW64_NT-10.0", f"BIN={tmp_path / 'none'}")
+    assert windows.returncode != 0 and windows.stdout.strip().splitlines() == [
+        "error: native Windows (MINGW64_NT-10.0) cannot run the labs (torchrun's gloo ranks, DeepSpeed, bubblewrap): "
+        "install WSL2 and run make lab inside it (docs/self-study.md)"]
+    assert not (tmp_path / "none").exists()  # nothing was built

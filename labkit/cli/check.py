@@ -4,8 +4,9 @@ Recorded checks read the executed notebook's results; code tests run the visible
 the functions its exercise cells define (one subprocess per exercise, with a timeout), from the `tests/`
 folder beside the notebook (else the course's notebooks/tests). Exit code 0 when every visible check and
 test passes and the recorded results are intact, 1 otherwise, 2 when the file cannot be read as a course
-notebook. Hidden checks and tests run only when an instructor grades; a self-study learner compares with the
-reference instead (`labkit solution LAB NAME`, labkit.course.selfstudy).
+notebook. In a class release the hidden checks and tests run only when the instructor grades (the report ends
+saying so). A self-study copy (`make student`, labkit.course.selfstudy) carries the hidden tests in
+tests/hidden/: there `labkit check` runs visible + hidden, their messages included (no one grades a learner).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import click
 
 from labkit.course.exercises.grading import DEFAULT_TIMEOUT_S, ExerciseGrade, grade_exercises, plan_for, \
     source_tests_dir
-from labkit.course.exercises.hidden import hidden_info
+from labkit.course.exercises.hidden import hidden_info, own_hidden_tests
 from labkit.errors import GradingError
 from labkit.course.grading import tamper
 from labkit.course.grading.checks import CheckResult
@@ -37,6 +38,8 @@ class CheckReport:
     """Visible tests per code exercise."""
     hidden_code: dict = field(default_factory=dict)
     """{exercise: HiddenInfo}: how many hidden tests each exercise has and what they vary (never their content)."""
+    every_test: bool = False
+    """A self-study copy: `results` and `code` hold the hidden checks and tests too, with their messages."""
 
     @property
     def ok(self) -> bool:
@@ -70,8 +73,13 @@ def check_notebook(path: str | Path, name: str | None = None, *, tests: str | Pa
         problems.append(f"this is notebook {found!r}, not {name!r}")
     checks = checks_for(notebook)
     problems += tamper.problems(nb)
-    visible = [c for c in checks if c.visible]
     tests_dir = Path(tests) if tests else tests_dir_for(path)
+    own = own_hidden_tests(notebook, tests_dir)
+    if own is not None:  # a self-study copy: every check and test, hidden messages shown
+        code = tuple(grade_exercises(nb, notebook, plan_for(notebook, tests_dir, own.parent), timeout_s=timeout_s,
+                                     reveal_hidden=True))
+        return CheckReport(notebook, run_checks(nb, notebook, checks), 0, tuple(problems), code, {}, True)
+    visible = [c for c in checks if c.visible]
     plan = plan_for(notebook, tests_dir)
     code = tuple(grade_exercises(nb, notebook, plan, timeout_s=timeout_s))
     return CheckReport(notebook, run_checks(nb, notebook, visible), len(checks) - len(visible), tuple(problems),
@@ -100,28 +108,33 @@ def _exercise_lines(g: ExerciseGrade) -> list[str]:
     lines = [f"  FAIL  {head}" + (f" ({g.reason})" if g.status == "error" else "")]
     for r in g.results:
         if not r.passed and (g.status != "error" or r.message != g.reason):
-            lines.append(f"        {r.name.split(': ', 1)[1]}: {r.message}")
+            lines.append(f"        {'' if r.visible else '(hidden) '}{r.name.split(': ', 1)[1]}: {r.message}")
     return lines
 
 
 def format_report(report: CheckReport) -> str:
     passed = sum(r.passed for r in report.results)
     earned, possible = sum(r.earned for r in report.results), sum(r.points for r in report.results)
-    lines = [f"{report.notebook}: {passed}/{len(report.results)} visible checks pass "
+    which = "visible + hidden" if report.every_test else "visible"
+    lines = [f"{report.notebook}: {passed}/{len(report.results)} {which} checks pass "
              f"({earned:g}/{possible:g} points)"]
     for r in report.results:
         mark = "PASS" if r.passed else "FAIL"
         lines.append(f"  {mark}  {r.name} ({r.points:g} pts)" + ("" if r.passed else f"\n        fix: {r.message}"))
     if report.code:
         done = sum(g.status == "pass" for g in report.code)
-        lines.append(f"code exercises: {done}/{len(report.code)} pass their visible tests")
+        lines.append(f"code exercises: {done}/{len(report.code)} pass their {which} tests")
         lines += _code_lines(report)
     for problem in report.problems:
         lines.append(f"  FIX   {problem}")
-    if report.hidden:
-        lines.append(f"{report.hidden} hidden check(s) are not run here: in a class, your instructor's grading runs "
-                     f"them; studying on your own, compare your work with the reference when you choose to: "
-                     f"`labkit solution {report.notebook} NAME` (no NAME: the list).")
+    if report.every_test:
+        lines.append(f"every check and test ran, visible + hidden (your own copy carries the hidden tests: your "
+                     f"answer key); a reference solution: `labkit solution {report.notebook} NAME` (no NAME: the list)")
+    elif report.hidden or report.hidden_code:
+        tests = sum(info.tests for info in report.hidden_code.values())
+        adds = [f"{report.hidden} hidden check(s)"] * bool(report.hidden) + \
+            [f"{tests} hidden test(s) with other sizes and world sizes"] * bool(tests)
+        lines.append(f"visible {'tests' if tests else 'checks'} only: the graded run adds {' and '.join(adds)}")
     return "\n".join(lines)
 
 
@@ -134,7 +147,8 @@ def format_report(report: CheckReport) -> str:
               help="Seconds per code exercise (all its visible tests).")
 @click.pass_context
 def command(ctx, notebook, name, tests, timeout):
-    """Run the visible checks and code tests on NOTEBOOK (saved) and print what passes and what to fix."""
+    """Run the visible checks and code tests on NOTEBOOK (saved) and print what passes and what to fix; in a
+    self-study copy (make student) the hidden ones too."""
     try:
         report = check_notebook(notebook, name, tests=tests, timeout_s=timeout)
     except GradingError as exc:

@@ -7,6 +7,18 @@ from __future__ import annotations
 import click
 
 
+def repository_lines(repository: str) -> str:
+    """Where the Open in Colab / Kaggle links point, and one more line while that is still the placeholder."""
+    from labkit import hosted
+
+    text = f"Open in Colab / Kaggle links point to {repository} (site/site.yml, or --repo)"
+    if hosted.is_placeholder(repository):
+        text += (f"\nnote: {repository} is still the placeholder in site/site.yml (`repository:`): the Colab / Kaggle "
+                 "links, the notebooks' first cell and the docs' clone lead nowhere until it names the published "
+                 "repository (then regenerate the first cells, docs/free-gpus.md)")
+    return text
+
+
 @click.group("site")
 def command():
     """The course as a static website (Jupyter Book 2 + labkit's renderer): build it into build/site."""
@@ -31,7 +43,7 @@ def build(ctx, out, execute, executed_dir, repository):
     click.echo(f"site: {result.out}/index.html ({len(result.pages)} pages, {len(result.labs)} labs, "
                f"{len(result.executed)} with smoke outputs, {sum(result.figures.values())} figures); "
                f"read it with `python3 -m http.server -d {out} 8000` and http://127.0.0.1:8000")
-    click.echo(f"Open in Colab / Kaggle links point to {result.repository} (site/site.yml, or --repo)")
+    click.echo(repository_lines(result.repository))
     for failure in result.failed:
         click.echo(f"  FAILED {failure}")
     for link in result.broken:

@@ -2,9 +2,9 @@
 request (`labkit solution LAB NAME`).
 
 A learner works in `my-labs/` (the student release of `labkit assign`: every solution stubbed, the visible
-tests beside the notebooks in `my-labs/tests/`; no hidden tests, nor the class release's note of what they
-vary: no one grades a self-study learner, who compares with `labkit solution` instead) and keeps the course's source notebooks
-as the answer key, read only when asked. Writing the release never replaces a file that is already
+tests beside the notebooks in `my-labs/tests/` and the hidden ones in `my-labs/tests/hidden/`: no one grades a
+self-study learner, so nothing is kept from them, and `labkit check` there runs every test with its message)
+and keeps the course's source notebooks as the answer key, read only when asked (`labkit solution`). Writing the release never replaces a file that is already
 there: a re-run adds what is missing and names every file it kept, so a learner's work is never lost.
 """
 from __future__ import annotations
@@ -22,6 +22,8 @@ from labkit.errors import ConfigError, GradingError, choices_error
 
 #: Where `make student` and `labkit assign --self-study` write unless told otherwise.
 DEFAULT_OUT = "my-labs"
+#: The hidden tests' folder inside a copy's tests/ (the source tree's layout: notebooks/tests/hidden).
+HIDDEN_DIR = "hidden"
 
 
 def course_notebooks() -> Path:
@@ -56,6 +58,7 @@ def make_self_study(out_dir: str | Path = DEFAULT_OUT, source_dir: str | Path | 
     with tempfile.TemporaryDirectory(prefix="labkit-release-") as tmp:
         release = make_release(tmp, source)  # validates every notebook before anything is written
         fresh = Path(tmp) / "notebooks"
+        _carry_hidden(release, fresh / "tests" / HIDDEN_DIR)
         if resolved.parent != source.resolve().parent:  # not beside the course's docs/: carry what the labs link to
             _carry_links(source, fresh)
         written, kept, unchanged = [], [], []
@@ -69,6 +72,14 @@ def make_self_study(out_dir: str | Path = DEFAULT_OUT, source_dir: str | Path | 
             shutil.copy2(path, target)
             written.append(str(rel))
     return SelfStudyRelease(out, tuple(written), tuple(kept), tuple(unchanged), len(release.exercises))
+
+
+def _carry_hidden(release, folder: Path) -> None:
+    """The hidden tests into the learner's copy (tests/hidden/, as in the course's source tree): their own answer
+    key, which `labkit check` runs beside the visible tests (labkit.cli.check)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in release.hidden:
+        shutil.copy2(path, folder / path.name)
 
 
 def _carry_links(source: Path, fresh: Path) -> None:
@@ -98,7 +109,8 @@ def format_self_study(rel: SelfStudyRelease) -> str:
         lines.append(f"  kept your {name} (it differs from the course's copy; to get a fresh one, rename yours "
                      f"and run this again)")
     lines.append(f"next: open {rel.out}/ in Jupyter (jupyter lab --notebook-dir={rel.out}), run a lab, save it, then "
-                 f"`labkit check {rel.out}/01_memory.ipynb`; a reference solution: "
+                 f"`labkit check {rel.out}/01_memory.ipynb` (every test, hidden ones included: yours to see); "
+                 "a reference solution: "
                  "`labkit solution 03_ddp ring_allreduce`")
     return "\n".join(lines)
 

@@ -84,7 +84,7 @@ def check(fn: Callable, tests: str | Path | None = None) -> None:
     import os
 
     from labkit import rehearsal
-    from labkit.course.exercises.hidden import hidden_info
+    from labkit.course.exercises.hidden import OWN_COPY, hidden_info, own_hidden_tests
     from labkit.course.grading.sandbox import GRADED_RUN_ENV
 
     exercise = fn.__name__
@@ -96,7 +96,8 @@ def check(fn: Callable, tests: str | Path | None = None) -> None:
         return
     cases, files = _find(exercise, tests)
     info = hidden_info(files[0].stem, files[0].parent).get(exercise) if files else None
-    print(report(exercise, run_cases(fn, cases), info.line() if info else ""))
+    own = bool(files) and own_hidden_tests(files[0].stem, files[0].parent) is not None  # a self-study copy
+    print(report(exercise, run_cases(fn, cases), (info.line(OWN_COPY) if own else info.line()) if info else ""))
 
 
 def attempt(fn: Callable, *args, **kwargs):

@@ -17,13 +17,17 @@ class HiddenInfo:
     points: float
     varies: str = ""
 
-    def line(self) -> str:
+    def line(self, when: str = "when your instructor grades") -> str:
         what = f": they vary {self.varies}" if self.varies else ""
         plural = "s" if self.tests != 1 else ""
-        return f"+ {self.tests} hidden test{plural} ({self.points:g} pts) when your instructor grades{what}"
+        return f"+ {self.tests} hidden test{plural} ({self.points:g} pts) {when}{what}"
 
 
-#: A release's `tests/NN_x.hidden.json` (a self-study release leaves them out: labkit.course.selfstudy).
+#: A self-study copy's `ex.check` line: the hidden tests are the learner's, run by `labkit check`.
+OWN_COPY = "in your copy's tests/hidden/ (`labkit check` runs them)"
+
+
+#: A release's `tests/NN_x.hidden.json` (a self-study copy carries the hidden tests themselves instead).
 MANIFEST_SUFFIX = ".hidden.json"
 
 
@@ -49,6 +53,17 @@ def write_manifest(hidden_file: Path, tests_dir: Path) -> Path:
     path = manifest_path(tests_dir, Path(hidden_file).stem)
     path.write_text(json.dumps({k: asdict(v) for k, v in from_hidden_file(Path(hidden_file)).items()}, indent=1))
     return path
+
+
+def own_hidden_tests(notebook: str, tests_dir: Path | None) -> Path | None:
+    """The hidden tests a learner's own copy carries (TESTS/hidden/NN_x.py beside the visible ones: `make student`,
+    labkit.course.selfstudy); None in a class release, and in the course's source tree (graded with `labkit grade`)."""
+    from labkit.course.exercises.grading import source_tests_dir
+
+    if tests_dir is None or Path(tests_dir).resolve() == source_tests_dir().resolve():
+        return None
+    path = Path(tests_dir) / "hidden" / f"{notebook}.py"
+    return path if path.is_file() else None
 
 
 def hidden_info(notebook: str, tests_dir: Path | None) -> dict[str, HiddenInfo]:
