@@ -36,8 +36,10 @@ from dataclasses import dataclass
 
 from labkit.errors import ConfigError, choices_error
 from labkit.parallel import comm, perf_ops
-from labkit.parallel.hardware import (ALIASES, GPUS, MEMORY_EFFICIENCY, OPTIMIZER_BYTES, PERF_FILE_ENV,  # noqa: F401
+from labkit.parallel.hardware import (ALIASES, ATTENTION_KERNELS, GPUS, MEMORY_EFFICIENCY,  # noqa: F401
+                                      OPTIMIZER_BYTES, OPTIMIZER_STATES, PERF_FILE_ENV, STACKS, CONSTANTS,
                                       PERF_FILE_NAME, Efficiency, GpuSpec, attention_efficiency, comm_efficiency,
+                                      optimizer_bytes, default_precision, default_attention,
                                       default_efficiency,
                                       gpu_family, gpu_spec, matmul_efficiency, read_perf_file,
                                       record_measurement)
@@ -90,7 +92,16 @@ class Layout:
     fused_kernels: bool = True
     """Activations saved as fused kernels save them (Megatron, Meta); False = Hugging Face's eager modules."""
     eager: bool = False
-    """Elementwise ops run as one eager PyTorch kernel each (no torch.compile, no fused kernels): more HBM traffic."""
+    """Elementwise ops run as one eager PyTorch kernel each (no torch.compile, no fused kernels): more HBM traffic.
+    Set by stack='eager'."""
+    stack: str = "megatron"
+    """Software stack (`hardware.STACKS`): 'megatron' (Megatron-Core/NeMo/TE: fused kernels), 'torch-compile' or
+    'eager' (torch-native linears at `CONSTANTS['stack_efficiency.torch']` of the fused stack's GEMM rate)."""
+    attention: str = ""
+    """Attention kernel (`hardware.ATTENTION_KERNELS`): fa2, sdpa, fa3 (or cuDNN), triton, eager (= flash False);
+    '' = the GPU's default (`hardware.default_attention`)."""
+    optimizer_states: str = "fp32"
+    """Adam's moments in fp32 or bf16 (the optimizer step's HBM bytes, `hardware.optimizer_bytes`)."""
     selective: str = "core"
     """What checkpointing='selective' recomputes: 'core' = the attention core (Korthikanti et al. 2022; a flash
     kernel keeps its output, nothing to redo); 'op' = torchtitan's per-op policy, every second matmul and all
@@ -122,6 +133,14 @@ class Layout:
                               ("pp_partition", PP_PARTITIONS)):
             if getattr(self, name) not in allowed:
                 raise choices_error(name, getattr(self, name), allowed)
+        for name, allowed in (("stack", STACKS), ("attention", ("",) + tuple(ATTENTION_KERNELS)),
+                              ("optimizer_states", OPTIMIZER_STATES)):
+            if getattr(self, name) not in allowed:
+                raise choices_error(name, getattr(self, name), allowed)
+        if self.stack == "eager":
+            object.__setattr__(self, "eager", True)
+        if self.attention == "eager":
+            object.__setattr__(self, "flash", False)
         if self.shard_group and (not self.zero or self.dp % self.shard_group):
             raise ConfigError(f"shard_group={self.shard_group} must divide dp={self.dp} and needs zero >= 1 (HSDP)")
 
@@ -160,14 +179,16 @@ def _rates(gpu: str, lay: Layout, efficiency: Efficiency) -> perf_ops.Rates:
     """What one GPU of `gpu` sustains for this layout (FP8: the linears on the FP8 tensor cores)."""
     g = gpu_spec(gpu)
     hbm = g.hbm_gbs * 1e9 * MEMORY_EFFICIENCY
-    attention = g.peak_tflops * 1e12 * attention_efficiency(gpu)
+    attention = g.peak_tflops * 1e12 * attention_efficiency(
+        gpu, default_attention(gpu) if lay.attention in ("", "eager") else lay.attention)
+    stack = 1.0 if lay.stack == "megatron" else CONSTANTS["stack_efficiency.torch"]
     if lay.precision == "fp8":
         if not g.fp8_tflops:
             raise ConfigError(f"precision fp8 on {gpu}: it has no FP8 tensor cores; use bf16")
         gemm = g.peak_tflops * 1e12 * default_efficiency(gpu, "bf16").value
-        return perf_ops.Rates(g.fp8_tflops * 1e12 * efficiency.value, gemm, attention, hbm, linear_bytes=1.0)
+        return perf_ops.Rates(g.fp8_tflops * 1e12 * efficiency.value * stack, gemm, attention, hbm, linear_bytes=1.0)
     rate = g.peak_tflops * 1e12 * efficiency.value
-    return perf_ops.Rates(rate, rate, attention, hbm)
+    return perf_ops.Rates(rate * stack, rate, attention, hbm)
 
 
 @dataclass(frozen=True)
@@ -219,7 +240,8 @@ def _compute(spec, lay: Layout, seq: int, layers: int, rates: perf_ops.Rates, he
     elem = per_tok * perf_ops.elementwise_bytes(spec, tp=t, sp=lay.sequence_parallel and t > 1, seq=seq,
                                                 flash=lay.flash, eager=lay.eager)
     core = per_tok * perf_ops.softmax_bytes(spec, t, seq, lay.eager) if not lay.flash else 0.0
-    cast_f, cast_b = (per_tok * x for x in perf_ops.fp8_cast_bytes(spec, tok, t)) if lay.precision == "fp8" else (0, 0)
+    cast_f, cast_b = (per_tok * x for x in perf_ops.fp8_cast_bytes(spec, tok, t, fused=lay.stack == "megatron")) \
+        if lay.precision == "fp8" else (0, 0)
     loss = tok * perf_ops.loss_bytes(spec, t, lay.eager) / rates.hbm if head else 0.0
     if lay.checkpointing == "full":
         redo_mm, redo_mem = lin + att, elem + cast_f
@@ -319,7 +341,7 @@ def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, effi
                  gpus_per_node=gpus_per_node, inter_node_gbps=inter)
     d = lay.dp * lay.cp
     updated = params / (d if lay.zero else 1)
-    optimizer = OPTIMIZER_BYTES * updated / rates.hbm
+    optimizer = optimizer_bytes(lay.optimizer_states) * updated / rates.hbm
     step = pipeline + dp.exposed + optimizer
     tokens = lay.micro_batch * m * lay.dp * seq
     model, hardware = step_flops(spec, tokens, seq, lay.checkpointing, lay.flash, lay.selective)
@@ -382,7 +404,7 @@ def budget(model, tokens: float, layout: Layout, gpus: int, price_per_gpu_hour: 
                           "positive and the price not negative")
     spec = model_spec(model) if isinstance(model, str) else model
     eff = efficiency or matmul_efficiency(gpu, layout.precision if layout.precision == "fp8" else
-                                          ("fp16" if gpu_family(gpu) == "v100" else "bf16"))
+                                          default_precision(gpu))
     t = step_time(spec, layout, seq=seq, gpu=gpu, gpus_per_node=gpus_per_node, efficiency=eff,
                   inter_node_gbps=inter_node_gbps)
     per_step = layout.dp * layout.microbatches * layout.micro_batch * seq

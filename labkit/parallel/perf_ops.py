@@ -160,15 +160,18 @@ def loss_bytes(spec, tp: int, eager: bool) -> float:
     return (28 if eager else 8) * spec.arch["vocab"] / tp
 
 
-def fp8_cast_bytes(spec, tok: int, tp: int) -> tuple[float, float]:
-    """(forward, backward) HBM bytes per token and layer of dynamic FP8 scaling (torchao's float8 linears,
-    Transformer Engine): each linear's input and, in the backward, its output gradient are read in bf16 and
-    written in fp8 twice (row- and column-major: Hopper's FP8 GEMMs need both layouts), 4 B per element; the
-    weight the same once per micro-batch, spread over its `tok` tokens."""
+def fp8_cast_bytes(spec, tok: int, tp: int, fused: bool = False) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per token and layer of dynamic FP8 scaling (torchao's float8 linears):
+    each linear's input and, in the backward, its output gradient are read in bf16 and written in fp8 twice
+    (row- and column-major: Hopper's FP8 GEMMs need both layouts), 4 B per element; the weight the same once per
+    micro-batch, spread over its `tok` tokens. `fused` (Transformer Engine: LayerNormLinear, the fused
+    cast-transpose in the activation's epilogue): the kernel that produced the input writes the two fp8 copies,
+    no separate bf16 read -- 2 B per element."""
+    per = 2 if fused else 4
     fwd = bwd = 0.0
     for _, count, m, n, k in linear_shapes(spec, 1, tp):  # m: tokens this GEMM sees per token (MoE: top_k / E)
-        fwd += count * (4 * m * k + 4 * k * n / tok)
-        bwd += count * 4 * m * n
+        fwd += count * (per * m * k + 4 * k * n / tok)
+        bwd += count * per * m * n
     return fwd, bwd
 
 

@@ -38,8 +38,6 @@ from labkit.parallel.perf_model import GPUS, Budget, Efficiency, GpuSpec, budget
 #: 405B trained 8K sequences without recomputation on 80 GB H100s: Dubey et al. 2024 Sec. 3.3.2).
 USABLE = 0.95
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
-#: From this sequence length on, the plan also splits sequences (context parallelism, ring attention).
-LONG_SEQUENCE = 16384
 
 
 @dataclass(frozen=True)
@@ -76,6 +74,15 @@ class PlanRequest:
     fused_kernels: bool = True
     """Fused norm / SwiGLU kernels (Megatron, Meta, torch.compile): their activation memory and HBM traffic;
     False = Hugging Face's eager modules (more saved activations, one kernel per elementwise op)."""
+    stack: str = "megatron"
+    """Software stack (`hardware.STACKS`): megatron (Megatron-Core/NeMo, fused TE kernels), torch-compile, eager."""
+    attention: str = ""
+    """Attention kernel (`hardware.ATTENTION_KERNELS`): fa2, sdpa, fa3 (or cuDNN, Hopper+), triton, eager;
+    '' = the GPU's default (`hardware.default_attention`: fa2 from the A100 on, sdpa before)."""
+    tp_overlap: bool = False
+    """TP collectives overlapped with the GEMMs beside them (Megatron's --tp-comm-overlap, torchtitan's AsyncTP)."""
+    optimizer_states: str = "fp32"
+    """Adam's moments in fp32 or bf16 (memory and the optimizer step's bytes)."""
     efficiency: Efficiency | None = None
     """Filled in (`labkit.parallel.hardware.matmul_efficiency`): value and source."""
 
@@ -97,6 +104,15 @@ class PlanRequest:
             object.__setattr__(self, "seq", min(spec.arch["max_seq"], 2048))
         if self.checkpointing not in ("full", "selective", "none"):
             raise choices_error("checkpointing", self.checkpointing, ("full", "selective", "none"))
+        for name, allowed in (("stack", hardware.STACKS), ("attention", ("",) + tuple(hardware.ATTENTION_KERNELS)),
+                              ("optimizer_states", hardware.OPTIMIZER_STATES)):
+            if getattr(self, name) not in allowed:
+                raise choices_error(name, getattr(self, name), allowed)
+        if self.attention == "eager":
+            object.__setattr__(self, "flash", False)
+        object.__setattr__(self, "attention", self.attention or hardware.default_attention(self.gpu))
+        if self.flash:
+            hardware.attention_efficiency(self.gpu, self.attention)  # ConfigError: a kernel this GPU cannot run
         precision = hardware.default_precision(self.gpu) if self.precision == "bf16" else self.precision
         object.__setattr__(self, "efficiency", hardware.matmul_efficiency(
             self.gpu, precision, override=self.matmul_efficiency, measured=self.measured))
@@ -162,6 +178,8 @@ class Option:
     dp_comm_s: float = 0.0
     """All data-parallel communication per step, hidden or not (`comm_s['dp']` is the exposed part)."""
     interleave: int = 1
+    overflow: str = ""
+    """Why it does not fit: the estimate against the usable memory and its largest term ('' when it fits)."""
 
     @property
     def dims(self) -> ParallelDims:
@@ -220,7 +238,9 @@ def layout_of(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batc
                              checkpointing=req.checkpointing, zero=zero, sequence_parallel=req.sequence_parallel and tp > 1,
                              interleave=req.interleave if pp > 1 else 1, flash=req.flash, cp=cp, ep=ep,
                              fsdp=req.fsdp, precision=req.precision, fused_kernels=req.fused_kernels,
-                             eager=not req.fused_kernels)
+                             eager=not req.fused_kernels, stack=req.stack,
+                             attention=req.attention if req.flash else "eager", tp_overlap=req.tp_overlap and tp > 1,
+                             optimizer_states=req.optimizer_states)
 
 
 def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch: int, *,
@@ -234,10 +254,10 @@ def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch
     cfg = MemoryConfig(model=req.model, precision="mixed-bf16", zero=zero, dp=dp, tp=tp, pp=pp, gpus=req.gpus,
                        batch=per_replica, grad_accum=m, seq=req.seq, checkpointing=req.checkpointing,
                        sequence_parallel=sp, cp=cp, ep=ep, flash_attention=req.flash,
-                       fused_kernels=req.fused_kernels)
+                       fused_kernels=req.fused_kernels, optimizer_states=req.optimizer_states)
     est = estimate(cfg)
     spec = req.model_spec
-    share = est.weights / 2 / spec.params * (dp if zero == 3 else 1)  # weights are 2 B/param before ZeRO-3
+    share = est.weights / 2 / spec.params * (dp * cp if zero == 3 else 1)  # weights are 2 B/param before ZeRO-3
     lay = layout_of(req, dp, tp, pp, zero, micro_batch, cp=cp, ep=ep)
     t = perf_model.step_time(spec, lay, seq=req.seq, gpu=req.gpu, gpus_per_node=req.gpus_per_node,
                              efficiency=req.efficiency, params_on_gpu=share * spec.params,
@@ -246,6 +266,7 @@ def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch
             **({"ep": t.ep_s} if ep > 1 else {})}
     return Option(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m, micro_batch=micro_batch,
                   memory_bytes=est.total, fits=est.total <= req.capacity_bytes, bubble=round(t.bubble, 4),
+                  overflow=overflow(est, req.capacity_bytes),
                   comm_s={k: round(v, 4) for k, v in comm.items()}, comm_bytes=t.comm_bytes,
                   compute_s=round(t.matmul_s + t.nonmatmul_s, 4), step_s=round(t.step_s, 4), mfu=round(t.mfu, 4),
                   hfu=round(t.hfu, 4), tflops_per_gpu=round(t.tflops_per_gpu, 1), cp=cp, ep=ep,
@@ -253,11 +274,30 @@ def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch
                   interleave=lay.interleave)
 
 
+#: What to change when a term fills the GPU.
+RELIEF = {"weights": "more tp / pp, or zero 3", "grads": "zero 2 or 3, or more tp / pp",
+          "optimizer": "zero >= 1 over more ranks, or --optimizer-states bf16",
+          "activations": "more recomputation, a smaller micro-batch, or more tp / cp"}
+
+
+def overflow(est, capacity: float) -> str:
+    """'' when the estimate fits `capacity` bytes; else the total, the usable memory and the largest term."""
+    if est.total <= capacity:
+        return ""
+    terms = {k: getattr(est, k) for k in ("weights", "grads", "optimizer", "activations")}
+    big = max(terms, key=terms.get)
+    parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in terms.items())
+    return (f"{est.total / 1e9:.1f} GB > {capacity / 1e9:.1f} GB usable: {big} ({terms[big] / 1e9:.1f} GB) is the "
+            f"largest term ({parts} GB); try {RELIEF[big]}")
+
+
 def assumption(req: PlanRequest) -> dict:
     """The matmul efficiency a plan assumed and its source (JSON and text output)."""
     return {"matmul_efficiency": req.efficiency.value, "source": req.efficiency.source,
             "peak_tflops": req.spec.fp8_tflops if req.precision == "fp8" else req.spec.peak_tflops,
-            "precision": req.precision, "attention_efficiency": hardware.attention_efficiency(req.gpu),
+            "precision": req.precision, "stack": req.stack, "attention": req.attention if req.flash else "eager",
+            "attention_efficiency": hardware.attention_efficiency(req.gpu, req.attention if req.flash else "sdpa"),
+            "tp_overlap": req.tp_overlap, "optimizer_states": req.optimizer_states,
             "comm_efficiency": hardware.comm_efficiency("nvlink"),
             "network_efficiency": hardware.comm_efficiency("network"),
             "inter_node_gbps": req.inter_node_gbps or req.spec.inter_node_gbps}
@@ -285,8 +325,9 @@ class Plan:
 
 
 def _cp_degrees(req: PlanRequest, rest: int) -> list[int]:
-    """Context-parallel degrees to try: only for long sequences (activations grow with seq)."""
-    return [c for c in _divisors(rest) if c == 1 or (req.seq >= LONG_SEQUENCE and req.seq % c == 0)]
+    """Context-parallel degrees to try: every divisor of the GPUs left that splits the sequence evenly (NVIDIA's
+    Llama 3 70B recipe runs cp=2 at 8K tokens; the others are rejected with the reason by `check_layout`)."""
+    return _divisors(rest)
 
 
 def _ep_degrees(req: PlanRequest, dp: int) -> list[int]:
@@ -297,7 +338,8 @@ def _ep_degrees(req: PlanRequest, dp: int) -> list[int]:
 
 def plan(req: PlanRequest) -> Plan:
     """Enumerate (dp, tp, pp[, cp, ep]) with dp*tp*pp*cp = gpus, ZeRO stages and micro-batch sizes;
-    rank what fits. cp is tried for sequences >= LONG_SEQUENCE, ep for models with experts."""
+    rank what fits. cp is tried wherever it splits the sequence, ep for models with experts. A layout with no
+    valid micro-batching is kept in `rejected` with the reason, like one `check_layout` refuses."""
     options, rejected = [], []
     for tp in _divisors(req.gpus):
         for pp in _divisors(req.gpus // tp):
@@ -308,8 +350,10 @@ def plan(req: PlanRequest) -> Plan:
                 except ConfigError as exc:
                     rejected.append((dp, tp, pp, str(exc)))
                     continue
-                for ep in _ep_degrees(req, dp):
-                    options += _options(req, dp, tp, pp, cp, ep)
+                found = [o for ep in _ep_degrees(req, dp) for o in _options(req, dp, tp, pp, cp, ep)]
+                if not found:
+                    rejected.append((dp, tp, pp, _no_micro_batching(req, dp, pp, cp)))
+                options += found
     options.sort(key=lambda o: (o.step_s, o.memory_bytes))
     return Plan(req, [o for o in options if o.fits], [o for o in options if not o.fits], rejected)
 
@@ -325,6 +369,14 @@ def _options(req: PlanRequest, dp: int, tp: int, pp: int, cp: int, ep: int) -> l
                 continue
             out.append(evaluate(req, dp, tp, pp, zero, b, cp=cp, ep=ep))
     return out
+
+
+def _no_micro_batching(req: PlanRequest, dp: int, pp: int, cp: int) -> str:
+    per_replica = req.batch // dp
+    need = f"at least pp={pp}" + (f" (a multiple of pp: interleave {req.interleave})" if req.interleave > 1 else "")
+    return (f"{'cp=' + str(cp) + ': ' if cp > 1 else ''}{per_replica} sequences per replica give no micro-batch size "
+            f"in {MICRO_BATCH_SIZES} with {need} micro-batches; use --batch {dp * pp * max(1, req.interleave)} "
+            "or more")
 
 
 def format_plan(p: Plan, top: int = 10) -> str:
@@ -346,6 +398,8 @@ def format_plan(p: Plan, top: int = 10) -> str:
     lines.append(format_assumption(r))
     lines.append(f"{len(p.fits)} layout(s) fit, {len(p.too_big)} exceed {r.capacity_bytes / 1e9:.0f} GB, "
                  f"{len(p.rejected)} rejected:")
+    for o in p.too_big[:3]:  # the fastest that do not fit, and which term fills the GPU
+        lines.append(f"  {o.layout} (micro-batch {o.micro_batch}) does not fit: {o.overflow}")
     for dp, tp, pp, reason in p.rejected[:8]:
         lines.append(f"  dp={dp} tp={tp} pp={pp}: {reason}")
     if len(p.rejected) > 8:
