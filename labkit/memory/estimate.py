@@ -87,6 +87,8 @@ class MemoryConfig:
     """adamw, sgd, sgd-momentum, adamw-8bit, paged-adamw-8bit."""
     optimizer_states: str = "fp32"
     """Adam's moments in fp32 or bf16 (Megatron's precision-aware optimizer, NeMo's large recipes); mixed only."""
+    fused_loss: bool = False
+    """A fused cross-entropy keeps only the compute-dtype logits (`labkit.memory.activations.Step.fused_loss`)."""
     zero: int = 0
     """ZeRO stage 0-3 over the data-parallel group."""
     zero_group: int = 0
@@ -404,7 +406,7 @@ def _activations(spec: ModelSpec, cfg: MemoryConfig, notes: list) -> int:
         notes.append(f"cp={cfg.cp}: {seq} tokens of each sequence per GPU + {ring:,} B of ring K/V blocks")
     step = act.Step(micro_batch=micro, seq=seq, act_bytes=e, checkpointing=cfg.checkpointing,
                     flash=cfg.flash_attention, tp=cfg.tp, sp=cfg.sequence_parallel and cfg.tp > 1,
-                    pp=cfg.pp, n_micro=cfg.grad_accum, fused=cfg.fused_kernels,
+                    pp=cfg.pp, n_micro=cfg.grad_accum, fused=cfg.fused_kernels, fused_loss=cfg.fused_loss,
                     lora_targets=frozenset(lora_targets(spec, cfg)), lora_rank=cfg.lora_rank)
     notes.append(f"micro-batch {micro} x seq {seq}, {e} B activations, checkpointing {cfg.checkpointing}, "
                  f"{'flash/SDPA' if cfg.flash_attention else 'eager'} attention"

@@ -130,10 +130,20 @@ def optimizer_bytes(states: str = "fp32") -> int:
 #:   torch-compile  torch-native (torchtitan, FSDP scripts, llm-foundry) under torch.compile: fused elementwise
 #:                  kernels; the linears are nn.Linear GEMMs through cuBLAS, one launch per op
 #:   eager          torch-native without compile: one kernel per elementwise op (`perf_ops.elementwise_bytes`)
-#: A torch-native stack's GEMMs reach `CONSTANTS["stack_efficiency.torch"]` of the fused stack's rate: nothing
-#: overlaps a layer's kernel launches, weight transposes and cast kernels with its GEMMs the way TE's fused
-#: modules do. Fitted like the other constants, on the torch-native calibration rows.
+#: A torch-native step's linears reach `stack_efficiency` of the fused stack's GEMM rate on a GPU family: what
+#: the model does not itemize (nn.Linear's cuBLAS heuristics against TE's tuned GEMMs, per-op launches, the casts
+#: and transposes TE fuses into its GEMMs' neighbours). Fitted per family like the matmul efficiency, on the
+#: torch-native calibration rows (H100: torchtitan's single-node 8B runs); a family without such rows keeps the
+#: fused stack's rate (1.0), stated in the plan.
 STACKS = ("megatron", "torch-compile", "eager")
+
+
+def stack_efficiency(gpu: str, stack: str = "megatron") -> float:
+    """Share of the fused stack's GEMM rate `stack`'s linears reach on `gpu` (1.0 for megatron; H200 = H100)."""
+    if stack not in STACKS:
+        raise choices_error("stack", stack, STACKS)
+    fam = gpu_family(gpu)
+    return 1.0 if stack == "megatron" else CONSTANTS.get(f"stack_efficiency.{ {'h200': 'h100'}.get(fam, fam) }", 1.0)
 #: Attention kernels (`Layout.attention`, `labkit plan --attention`) as a multiple of FlashAttention-2's rate
 #: (`ATTENTION_EFFICIENCY`): 'sdpa' is PyTorch's scaled_dot_product_attention, which runs FA2 on A100/H100
 #: (pytorch/pytorch#142132) and its memory-efficient kernel on V100/T4 (no FA2 there: ATTENTION_EFFICIENCY's
@@ -197,7 +207,7 @@ CONSTANTS = {
     "comm_efficiency.nvlink": 0.673,
     "comm_efficiency.network": 0.9,
     "overlap_efficiency": 0.703,
-    "stack_efficiency.torch": 1.0,
+    "stack_efficiency.h100": 0.748,
 }
 #: Assumed where neither a calibration row nor a MAMF measurement exists (stated in every plan's source line).
 #: T4: a 70 W card whose clocks drop under sustained tensor-core load; half its 65 TFLOPS data-sheet peak.

@@ -39,7 +39,7 @@ from labkit.parallel import comm, perf_ops
 from labkit.parallel.hardware import (ALIASES, ATTENTION_KERNELS, GPUS, MEMORY_EFFICIENCY,  # noqa: F401
                                       OPTIMIZER_BYTES, OPTIMIZER_STATES, PERF_FILE_ENV, STACKS, CONSTANTS,
                                       PERF_FILE_NAME, Efficiency, GpuSpec, attention_efficiency, comm_efficiency,
-                                      optimizer_bytes, default_precision, default_attention,
+                                      optimizer_bytes, default_precision, default_attention, stack_efficiency,
                                       default_efficiency,
                                       gpu_family, gpu_spec, matmul_efficiency, read_perf_file,
                                       record_measurement)
@@ -181,7 +181,7 @@ def _rates(gpu: str, lay: Layout, efficiency: Efficiency) -> perf_ops.Rates:
     hbm = g.hbm_gbs * 1e9 * MEMORY_EFFICIENCY
     attention = g.peak_tflops * 1e12 * attention_efficiency(
         gpu, default_attention(gpu) if lay.attention in ("", "eager") else lay.attention)
-    stack = 1.0 if lay.stack == "megatron" else CONSTANTS["stack_efficiency.torch"]
+    stack = stack_efficiency(gpu, lay.stack)
     if lay.precision == "fp8":
         if not g.fp8_tflops:
             raise ConfigError(f"precision fp8 on {gpu}: it has no FP8 tensor cores; use bf16")

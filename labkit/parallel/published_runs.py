@@ -24,7 +24,7 @@ DATA = "published_runs.json"
 METRICS = ("tokens_per_s_per_gpu", "iteration_s", "mfu", "hfu", "tflops_per_gpu")
 LAYOUT_FIELDS = ("checkpointing", "zero", "sequence_parallel", "interleave", "flash", "fsdp", "shard_group",
                  "dp_overlap", "precision", "fused_kernels", "cp", "eager", "selective", "reduce_fp32", "tp_overlap",
-                 "pipeline_engine", "pp_partition")
+                 "pipeline_engine", "pp_partition", "stack", "attention", "optimizer_states")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,8 @@ class PublishedRun:
     hardware: str = ""
     miss: str = ""
     """Why a counted row the model misses by more than 20 % is missed (printed by bench/planner_heldout.py)."""
+    fused_loss: bool = False
+    """The run's cross-entropy is a fused kernel (memory only: `labkit.memory.activations.Step.fused_loss`)."""
 
     @classmethod
     def from_dict(cls, row: dict) -> "PublishedRun":
@@ -181,5 +183,6 @@ def memory(run: PublishedRun):
     cfg = MemoryConfig(model=run.id, precision="mixed-bf16", zero=lay.zero, dp=run.dp, tp=run.tp, pp=run.pp,
                        cp=lay.cp, batch=run.batch // run.dp, grad_accum=lay.microbatches, seq=run.seq,
                        checkpointing=lay.checkpointing, flash_attention=lay.flash,
-                       sequence_parallel=lay.sequence_parallel and run.tp > 1, fused_kernels=lay.fused_kernels)
+                       sequence_parallel=lay.sequence_parallel and run.tp > 1, fused_kernels=lay.fused_kernels,
+                       optimizer_states=lay.optimizer_states, fused_loss=run.fused_loss)
     return estimate(cfg, spec=run.spec())
