@@ -44,7 +44,8 @@ from labkit.parallel.hardware import (ALIASES, ATTENTION_KERNELS, GPUS, MEMORY_E
                                       gpu_family, gpu_spec, matmul_efficiency, read_perf_file,
                                       record_measurement)
 from labkit.parallel.perf_dp import dp_time, exposed_behind
-from labkit.parallel.perf_ops import (attention_flops, layer_forward_flops, linear_flops,  # noqa: F401 (re-exported)
+from labkit.parallel.perf_ops import (DEEPSPEED_P2P_EXPOSED, attention_flops,  # noqa: F401 (re-exported)
+                                     layer_forward_flops, linear_flops,
                                      recompute_flops, step_flops)
 
 
@@ -52,10 +53,6 @@ SELECTIVE = ("core", "op")
 PIPELINE_ENGINES = ("megatron", "deepspeed")
 #: How a pipeline's stages get their layers (`Layout.pp_partition`).
 PP_PARTITIONS = ("transformer", "transformer|embedding")
-#: One-way transfer times of a boundary activation on the critical path per micro-batch in DeepSpeed's pipeline
-#: engine (blocking send/recv with both neighbours every step, chained; bench/pipeline_p2p_sim.py replays its
-#: TrainSchedule: 4.0-4.4 for 4-35 stages, 2 for 2).
-DEEPSPEED_P2P_EXPOSED = 4
 
 
 @dataclass(frozen=True)
@@ -283,26 +280,6 @@ def _tp_overlapped(spec, lay: Layout, tok: int, tp_s: float, n_ar: float, rates:
     return per_pass * n_ar / len(blocks)  # a pass of a layer is len(blocks) all-reduce equivalents
 
 
-def _pp_cost(lay: Layout, act: float, gpus: int, gpus_per_node: int, nvlink: float, network: float
-             ) -> tuple[float, float]:
-    """(bytes sent, exposed seconds) of the pipeline's point-to-point traffic per micro-batch and GPU.
-
-    Each tensor-parallel rank sends 1/tp of the boundary activation (the receiving node all-gathers it on NVLink:
-    Megatron's scatter/gather, Narayanan et al. 2021 Sec. 4.1; DeepSpeed's partitioned activations and
-    gradients), once forward and once backward per model chunk (x interleave, Sec. 2.2.2). Megatron exchanges
-    with one neighbour at a time (send_forward_recv_backward): both transfers are exposed. DeepSpeed's pipeline
-    engine waits on blocking rendezvous with both neighbours every step, which chain through the pipeline:
-    replaying its TrainSchedule, 4 one-way transfer times per micro-batch reach the critical path
-    (`bench/pipeline_p2p_sim.py`), twice the two it sends."""
-    if lay.pp == 1:
-        return 0.0, 0.0
-    crosses = gpus > gpus_per_node and lay.tp * lay.cp * lay.dp >= gpus_per_node  # stages tp*cp*dp ranks apart
-    bw = network if crosses else nvlink
-    sent = 2 * lay.interleave * comm.bytes_sent("send_recv", act / lay.tp, 2)
-    exposed = DEEPSPEED_P2P_EXPOSED / 2 if lay.pipeline_engine == "deepspeed" else 1.0
-    return sent, exposed * sent / bw
-
-
 def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, efficiency: Efficiency,
               params_on_gpu: float | None = None, inter_node_gbps: float | None = None) -> StepTime:
     """The time model of the module docstring for `spec` (a `labkit.memory.params.ModelSpec`)."""
@@ -315,7 +292,7 @@ def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, effi
     act = tok * spec.arch["hidden"] * 2  # one (b, s, h) bf16 activation
     nvlink = g.nvlink_gbs * 1e9 * comm_efficiency("nvlink")
     network = inter / 8 * 1e9 * comm_efficiency("network")
-    pp_bytes, pp = _pp_cost(lay, act, gpus, gpus_per_node, nvlink, network)
+    pp_bytes, pp = perf_ops.pp_cost(lay, act, gpus, gpus_per_node, nvlink, network)
 
     def stage(layers: int, head: bool) -> tuple:
         c = _compute(spec, lay, seq, layers, rates, head)
@@ -324,7 +301,7 @@ def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, effi
         tp = tp_bytes / nvlink
         if lay.tp_overlap and t > 1:
             tp = _tp_overlapped(spec, lay, tok, tp, n_ar, rates)
-        cp_bytes, ep_bytes = _cp_ep_bytes(spec, lay, tok, layers)
+        cp_bytes, ep_bytes = perf_ops.cp_ep_bytes(spec, lay, tok, layers)
         cp = cp_bytes / (nvlink if t * lay.cp <= gpus_per_node else network)
         ep = ep_bytes / (nvlink if gpus <= gpus_per_node else network)
         return c.matmul + c.memory + tp + pp + cp + ep, layers, c, tp, tp_bytes, cp, cp_bytes, ep, ep_bytes
@@ -354,21 +331,6 @@ def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, effi
                                 **({"cp": int(m * cp_bytes)} if lay.cp > 1 else {}),
                                 **({"ep": int(m * ep_bytes)} if lay.ep > 1 else {})},
                     cp_s=m * cp, ep_s=m * ep, tokens_per_s_per_gpu=tokens / step / gpus, dp_total_s=dp.seconds)
-
-
-def _cp_ep_bytes(spec, lay: Layout, tok: int, layers: int) -> tuple[float, float]:
-    """Bytes one GPU sends per micro-batch for context and expert parallelism (bf16).
-
-    Ring attention (Liu et al. 2023): cp - 1 K/V blocks of tok x kv_heads x head_dim forward; the
-    backward passes K/V and their gradients around again (x3 in all). Expert all-to-all (GShard):
-    tok x k token copies of width h leave the GPU ((ep-1)/ep of them) for dispatch and come back for
-    combine, forward and backward (x4)."""
-    a = spec.arch
-    cp = 3 * layers * comm.hops("all_gather", lay.cp) * 2 * tok * a["kv_heads"] * a["head_dim"] * 2 / lay.tp \
-        if lay.cp > 1 else 0.0
-    copies = tok * a.get("top_k", 0) * a["hidden"] * 2  # bytes of this GPU's routed token copies
-    ep = 4 * layers * comm.bytes_sent("all_to_all", copies, lay.ep) if lay.ep > 1 else 0.0
-    return cp, ep
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 
 from labkit.errors import ConfigError, choices_error
 from labkit.parallel import hardware, perf_model
-from labkit.parallel.dims import ParallelDims
+from labkit.parallel.dims import ParallelDims  # noqa: F401
+from labkit.parallel.plan_checks import (MICRO_BATCH_SIZES, RELIEF, check_layout, layout_dims,  # noqa: F401
+                                         no_micro_batching, overflow)
 from labkit.parallel.perf_model import GPUS, Budget, Efficiency, GpuSpec, budget  # noqa: F401 (re-exported)
 
 #: Share of HBM the plan may fill: the rest is the CUDA context (~0.5-1 GB), NCCL's buffers (~1-2 GB) and
@@ -37,7 +39,6 @@ from labkit.parallel.perf_model import GPUS, Budget, Efficiency, GpuSpec, budget
 #: fragmentation of a steady training loop stays small, and tuned production runs fill their GPUs (Llama 3
 #: 405B trained 8K sequences without recomputation on 80 GB H100s: Dubey et al. 2024 Sec. 3.3.2).
 USABLE = 0.95
-MICRO_BATCH_SIZES = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -194,43 +195,6 @@ class Option:
         return {**dataclasses.asdict(self), "layout": self.layout, "memory_gb": round(self.memory_bytes / 1e9, 2)}
 
 
-def layout_dims(dp: int, tp: int, pp: int, zero: int = 0, *, cp: int = 1, ep: int = 1) -> ParallelDims:
-    """The ParallelDims of a layout: with ZeRO the dp ranks shard (dp_shard), without it they replicate."""
-    return ParallelDims(dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1, tp=tp, pp=pp, cp=cp, ep=ep)
-
-
-def check_layout(req: PlanRequest, dp: int, tp: int, pp: int, zero: int = 0, *, cp: int = 1, ep: int = 1) -> None:
-    """ConfigError naming why (dp, tp, pp, zero, cp, ep) cannot run `req`; returns None when it can."""
-    # "tp(8) * pp(8) * dp(8) = 512 != gpus(64)"
-    layout_dims(dp, tp, pp, zero, cp=cp).check_world(req.gpus, label="gpus")
-    arch = req.model_spec.arch
-    if req.seq % cp:
-        raise ConfigError(f"cp={cp} does not split seq={req.seq} into equal chunks; use a cp that divides it")
-    experts = arch.get("experts", 0)
-    if ep > 1 and (not experts or dp % ep or experts % ep):
-        raise ConfigError(f"ep={ep} must divide dp={dp} and the {experts} experts of {req.model} "
-                          "(expert parallelism splits the experts over data-parallel ranks)")
-    if tp > req.gpus_per_node:
-        raise ConfigError(f"tp={tp} > {req.gpus_per_node} GPUs per node: a tensor-parallel group all-reduces "
-                          "inside every layer and must sit on one node's NVLink; use tp <= "
-                          f"{req.gpus_per_node} and put the rest into pp or dp")
-    for key in ("heads", "kv_heads"):
-        if arch[key] % tp:
-            raise ConfigError(f"tp={tp} does not divide the model's {arch[key]} {key.replace('_', ' ')}: "
-                              "every rank needs whole heads")
-    if pp > arch["layers"]:
-        raise ConfigError(f"pp={pp} > {arch['layers']} layers: every stage needs at least one layer")
-    v = req.interleave if pp > 1 else 1
-    if v > 1 and arch["layers"] % (pp * v) and (arch["layers"] + 2) % (pp * v):
-        raise ConfigError(f"interleave={v} x pp={pp} does not divide the {arch['layers']} layers into equal "
-                          "chunks (nor layers + 2, an embedding-only first and an output-only last chunk as in "
-                          "Llama 3); choose an interleave that does")
-    if dp == 1 and zero:
-        raise ConfigError(f"zero={zero} with dp=1 shards over one rank and saves nothing; use zero 0")
-    if req.batch % dp:
-        raise ConfigError(f"global batch {req.batch} does not split over dp={dp}; use a multiple of {dp}")
-
-
 def layout_of(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch: int, *, cp: int = 1,
               ep: int = 1) -> perf_model.Layout:
     """The time model's `Layout` of one layout of `req` (its switches: interleave, flash, SP, precision...)."""
@@ -272,23 +236,6 @@ def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch
                   hfu=round(t.hfu, 4), tflops_per_gpu=round(t.tflops_per_gpu, 1), cp=cp, ep=ep,
                   tokens_per_s_per_gpu=round(t.tokens_per_s_per_gpu, 1), dp_comm_s=round(t.dp_total_s, 4),
                   interleave=lay.interleave)
-
-
-#: What to change when a term fills the GPU.
-RELIEF = {"weights": "more tp / pp, or zero 3", "grads": "zero 2 or 3, or more tp / pp",
-          "optimizer": "zero >= 1 over more ranks, or --optimizer-states bf16",
-          "activations": "more recomputation, a smaller micro-batch, or more tp / cp"}
-
-
-def overflow(est, capacity: float) -> str:
-    """'' when the estimate fits `capacity` bytes; else the total, the usable memory and the largest term."""
-    if est.total <= capacity:
-        return ""
-    terms = {k: getattr(est, k) for k in ("weights", "grads", "optimizer", "activations")}
-    big = max(terms, key=terms.get)
-    parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in terms.items())
-    return (f"{est.total / 1e9:.1f} GB > {capacity / 1e9:.1f} GB usable: {big} ({terms[big] / 1e9:.1f} GB) is the "
-            f"largest term ({parts} GB); try {RELIEF[big]}")
 
 
 def assumption(req: PlanRequest) -> dict:
@@ -352,7 +299,7 @@ def plan(req: PlanRequest) -> Plan:
                     continue
                 found = [o for ep in _ep_degrees(req, dp) for o in _options(req, dp, tp, pp, cp, ep)]
                 if not found:
-                    rejected.append((dp, tp, pp, _no_micro_batching(req, dp, pp, cp)))
+                    rejected.append((dp, tp, pp, no_micro_batching(req, dp, pp, cp)))
                 options += found
     options.sort(key=lambda o: (o.step_s, o.memory_bytes))
     return Plan(req, [o for o in options if o.fits], [o for o in options if not o.fits], rejected)
@@ -369,14 +316,6 @@ def _options(req: PlanRequest, dp: int, tp: int, pp: int, cp: int, ep: int) -> l
                 continue
             out.append(evaluate(req, dp, tp, pp, zero, b, cp=cp, ep=ep))
     return out
-
-
-def _no_micro_batching(req: PlanRequest, dp: int, pp: int, cp: int) -> str:
-    per_replica = req.batch // dp
-    need = f"at least pp={pp}" + (f" (a multiple of pp: interleave {req.interleave})" if req.interleave > 1 else "")
-    return (f"{'cp=' + str(cp) + ': ' if cp > 1 else ''}{per_replica} sequences per replica give no micro-batch size "
-            f"in {MICRO_BATCH_SIZES} with {need} micro-batches; use --batch {dp * pp * max(1, req.interleave)} "
-            "or more")
 
 
 def format_plan(p: Plan, top: int = 10) -> str:
