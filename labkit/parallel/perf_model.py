@@ -369,10 +369,17 @@ def budget(model, tokens: float, layout: Layout, gpus: int, price_per_gpu_hour: 
                                           default_precision(gpu))
     t = step_time(spec, layout, seq=seq, gpu=gpu, gpus_per_node=gpus_per_node, efficiency=eff,
                   inter_node_gbps=inter_node_gbps)
-    per_step = layout.dp * layout.microbatches * layout.micro_batch * seq
-    steps = math.ceil(tokens / per_step)
+    return priced(t, tokens, layout.dp * layout.microbatches * layout.micro_batch * seq, gpus, price_per_gpu_hour,
+                  eff)
+
+
+def priced(t, tokens: float, tokens_per_step: int, gpus: int, price_per_gpu_hour: float,
+           efficiency: Efficiency) -> Budget:
+    """The `Budget` of `tokens` tokens at `t`'s step time (a `StepTime`, or a planner `Option`: step_s, mfu, hfu,
+    tflops_per_gpu), `tokens_per_step` a step."""
+    steps = math.ceil(tokens / tokens_per_step)
     seconds = steps * t.step_s
     hours = seconds / 3600 * gpus
     return Budget(tokens=tokens, gpus=gpus, steps=steps, step_s=t.step_s, days=seconds / 86400, gpu_hours=hours,
                   cost=hours * price_per_gpu_hour, mfu=t.mfu, hfu=t.hfu, tflops_per_gpu=t.tflops_per_gpu,
-                  efficiency=eff)
+                  efficiency=efficiency)

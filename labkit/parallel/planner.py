@@ -25,6 +25,7 @@ Introduced in notebook 07_model_parallel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from labkit.errors import ConfigError, choices_error
@@ -89,6 +90,7 @@ class PlanRequest:
 
     def __post_init__(self) -> None:
         spec = model_spec_of(self.model)
+        self.__dict__["model_spec"] = spec  # the cached_property's slot: resolved once
         for name in ("gpus", "gpus_per_node", "batch", "seq", "interleave"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -122,8 +124,9 @@ class PlanRequest:
     def spec(self) -> GpuSpec:
         return hardware.gpu_spec(self.gpu)
 
-    @property
+    @functools.cached_property
     def model_spec(self):
+        """Resolved once per request (the search asks for it for every layout)."""
         return model_spec_of(self.model)
 
     @property
