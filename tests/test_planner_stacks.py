@@ -99,6 +99,8 @@ def test_the_search_tries_cp_at_8k_and_says_why_layouts_were_dropped():
     p = planner.plan(req)
     assert any(o.cp == 2 for o in p.fits)  # NVIDIA's recipe: TP 4, PP 4, CP 2 at 8K tokens
     assert "does not fit:" in planner.format_plan(p)
+    row = next(o for o in p.fits if o.cp == 2)  # a row given by dp, tp, pp, zero, micro-batch (notebook 07's 7.4)
+    assert planner.evaluate(req, row.dp, row.tp, row.pp, row.zero, row.micro_batch) == row
     small = planner.plan(planner.PlanRequest(model="llama2-7b", gpus=8, gpus_per_node=8, batch=4))
     assert any(pp == 8 and "fewer" not in reason and "micro-batch size" in reason and "--batch 8" in reason
                for dp, tp, pp, reason in small.rejected)  # 4 sequences cannot fill an 8-stage pipeline

@@ -211,9 +211,14 @@ def layout_of(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batc
 
 
 def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch: int, *,
-             cp: int = 1, ep: int = 1) -> Option:
-    """Memory (estimator) and step time (`labkit.parallel.perf_model`) of one valid layout."""
+             cp: int | None = None, ep: int = 1) -> Option:
+    """Memory (estimator) and step time (`labkit.parallel.perf_model`) of one valid layout. `cp` defaults to what
+    the GPU count leaves, gpus / (dp tp pp) (1 when they already multiply to it), so a row of the plan's table
+    given by its dp, tp, pp, zero and micro-batch is that row."""
     from labkit.memory.estimate import MemoryConfig, estimate
+
+    if cp is None:
+        cp = req.gpus // (dp * tp * pp) if req.gpus % (dp * tp * pp) == 0 else 1
 
     per_replica = req.batch // dp
     m = per_replica // micro_batch
