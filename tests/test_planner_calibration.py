@@ -50,8 +50,8 @@ def test_the_constants_are_the_fit_of_the_calibration_rows():
     for key, value in hardware.CONSTANTS.items():
         assert fitted[key] == pytest.approx(value, abs=0.006), key
     assert set(calibration.free_constants(published_runs.runs(calibration_only=True))) == {
-        "matmul_efficiency.a100", "matmul_efficiency.h100", "comm_efficiency.nvlink", "overlap_efficiency",
-        "stack_efficiency.h100"}
+        "matmul_efficiency.a100", "matmul_efficiency.h100", "matmul_efficiency.v100", "comm_efficiency.nvlink",
+        "overlap_efficiency", "stack_efficiency.h100"}
 
 
 def test_constants_fitted_on_korthikanti_alone_predict_narayanan():

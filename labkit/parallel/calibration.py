@@ -23,7 +23,8 @@ BOUNDS = (0.3, 1.0)
 FITTED_COMM = ("comm_efficiency.nvlink", "overlap_efficiency")
 #: Where every fit starts (the values before issue 27's fit: the A100 default of issue 19, nccl-tests' NVLink
 #: share, the network's line-rate share, a guess for the overlap), so a refit is deterministic.
-PRIOR = {"matmul_efficiency.a100": 0.72, "matmul_efficiency.h100": 0.72, "comm_efficiency.nvlink": 0.75,
+PRIOR = {"matmul_efficiency.a100": 0.72, "matmul_efficiency.h100": 0.72, "matmul_efficiency.v100": 0.72,
+         "comm_efficiency.nvlink": 0.75,
          "comm_efficiency.network": 0.9, "overlap_efficiency": 0.65, "stack_efficiency.h100": 1.0}
 PHI = (math.sqrt(5) - 1) / 2
 
