@@ -356,8 +356,16 @@ def format_plan(p: Plan, top: int = 10) -> str:
 
 def format_assumption(req: PlanRequest) -> str:
     e, a = req.efficiency, assumption(req)
-    return (f"assumes {req.precision} matmuls at {e.value:.0%} of the {a['peak_tflops']:.0f} TFLOPS peak "
-            f"({e.source}) plus their HBM traffic, flash attention at {a['attention_efficiency']:.0%}; NCCL at {a['comm_efficiency']:.0%} of NVLink and {a['network_efficiency']:.0%} of "
-            f"{a['inter_node_gbps']:g} Gb/s per GPU between nodes; checkpointing {req.checkpointing}" + ("" if req.flash else ", no flash attention")
+    precision = hardware.default_precision(req.gpu) if req.precision == "bf16" else req.precision
+    stack = hardware.stack_efficiency(req.gpu, req.stack)
+    return (f"assumes {precision} matmuls at {e.value:.0%} of the {a['peak_tflops']:.0f} TFLOPS peak "
+            f"({e.source}) plus their HBM traffic"
+            + (f", x {stack:.2f} for the {req.stack} stack" if req.stack != "megatron" else "")
+            + (f", {req.attention} attention at {a['attention_efficiency']:.0%}" if req.flash else
+               ", unfused attention")
+            + f"; NCCL at {a['comm_efficiency']:.0%} of NVLink and {a['network_efficiency']:.0%} of "
+            f"{a['inter_node_gbps']:g} Gb/s per GPU between nodes; checkpointing {req.checkpointing}"
             + ("" if req.sequence_parallel else ", no sequence parallelism")
-            + (f", interleave {req.interleave}" if req.interleave > 1 else ""))
+            + (f", interleave {req.interleave}" if req.interleave > 1 else "")
+            + (", TP overlapped" if req.tp_overlap else "")
+            + (f", Adam moments in {req.optimizer_states}" if req.optimizer_states != "fp32" else ""))
