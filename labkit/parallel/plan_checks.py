@@ -58,15 +58,17 @@ RELIEF = {"weights": "more tp / pp, or zero 3", "grads": "zero 2 or 3, or more t
           "activations": "more recomputation, a smaller micro-batch, or more tp / cp"}
 
 
-def overflow(est, capacity: float) -> str:
-    """'' when the estimate fits `capacity` bytes; else the total, the usable memory and the largest term."""
+def overflow(est, capacity: float, optimizer_states: str = "fp32") -> str:
+    """'' when the estimate fits `capacity` bytes; else the total, the usable memory, the largest term and what
+    to change (not bf16 moments if the run already keeps them)."""
     if est.total <= capacity:
         return ""
     terms = {k: getattr(est, k) for k in ("weights", "grads", "optimizer", "activations")}
     big = max(terms, key=terms.get)
     parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in terms.items())
     return (f"{est.total / 1e9:.1f} GB > {capacity / 1e9:.1f} GB usable: {big} ({terms[big] / 1e9:.1f} GB) is the "
-            f"largest term ({parts} GB); try {RELIEF[big]}")
+            f"largest term ({parts} GB); try " + RELIEF[big].replace(
+                ", or --optimizer-states bf16", "" if optimizer_states == "bf16" else ", or --optimizer-states bf16"))
 
 
 def no_micro_batching(req, dp: int, pp: int, cp: int) -> str:

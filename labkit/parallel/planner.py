@@ -238,7 +238,7 @@ def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch
             **({"ep": t.ep_s} if ep > 1 else {})}
     return Option(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m, micro_batch=micro_batch,
                   memory_bytes=est.total, fits=est.total <= req.capacity_bytes, bubble=round(t.bubble, 4),
-                  overflow=overflow(est, req.capacity_bytes),
+                  overflow=overflow(est, req.capacity_bytes, req.optimizer_states),
                   comm_s={k: round(v, 4) for k, v in comm.items()}, comm_bytes=t.comm_bytes,
                   compute_s=round(t.matmul_s + t.nonmatmul_s, 4), step_s=round(t.step_s, 4), mfu=round(t.mfu, 4),
                   hfu=round(t.hfu, 4), tflops_per_gpu=round(t.tflops_per_gpu, 1), cp=cp, ep=ep,
