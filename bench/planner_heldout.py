@@ -1,17 +1,21 @@
 """The planner's time model on runs it was fitted on and on runs it never saw (issue 27).
 
-    PYTHONPATH=. python bench/planner_heldout.py [--no-cv]
+    PYTHONPATH=. python bench/planner_heldout.py [--no-cv] [--no-search]
 
 Prints, for every row of labkit/data/published_runs.json: the published tokens/s per GPU (converted with the
 model's FLOP count where the source publishes a utilization or TFLOPS, which are shown too), the prediction and
 the error; then a leave-one-source-out cross-validation: the constants refitted without each source, and that
 source's errors. Rows whose `uncertain` field quotes the source on why its layout or hardware is too uncertain
 are predicted and shown, but not counted; a counted row missed by more than 20 % prints the reason its row
-records (`miss`). Pure Python, ~1 minute on one core.
+records (`miss`). Last, the best-layout search (`labkit plan` with each row's model, GPUs, batch, sequence and
+software): where it ranks the layouts of NVIDIA's tuned recipes (NeMo 24.07, Megatron-Bridge 25.11), and the
+layouts Narayanan et al. 2021 compared head to head (PTD-P against ZeRO-3 on the same GPUs and batch). Pure
+Python, ~1 minute on one core.
 """
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 
 from labkit.parallel import calibration, hardware, published_runs
@@ -45,9 +49,40 @@ def _why(errs: list[dict], rows) -> None:
         print(f"  MISSED {ids}:\n    {reason}")
 
 
+#: Sources whose rows are tuned recipes (the vendor swept layouts and published the fastest).
+RECIPES = ("nemo2024", "bridge2025")
+#: Layouts a source ran head to head on the same model, GPUs and batch: (the published best, the others).
+COMPARED = {"megatron-t2-175b-384": ("zero3-175b-384",), "megatron-t2-175b-768": ("zero3-175b-768",),
+            "megatron-t2-175b-1536": ("zero3-175b-1536",)}
+
+
+def search(rows) -> None:
+    """Where `labkit plan` ranks each recipe's layout, and each compared layout, among the layouts that fit."""
+    by_id = {r.id: r for r in rows}
+    print("\nbest-layout search: rank of the published layout among the layouts that fit (fastest first)")
+    top3 = []
+    with tempfile.TemporaryDirectory() as folder:
+        for r in [r for r in rows if r.source in RECIPES] + [by_id[k] for k in COMPARED]:
+            s = published_runs.search_rank(r, folder)
+            where = f"rank {s['rank']}/{s['layouts']}" if s["rank"] else f"NOT AMONG THE FITS ({s['dropped']})"
+            line = f"  {r.id:<26} {where:<14} {s['published']}; first: {s['top'][0]}"
+            for other in COMPARED.get(r.id, ()):  # its layout in the same search (same model, GPUs, batch)
+                o = by_id[other]
+                key = (o.dp, o.tp, o.pp, o.layout().cp, o.layout().zero)
+                rank = s["order"].index(key) + 1 if key in s["order"] else None
+                line += f"; compared {other}: rank {rank}"
+                top3.append(s["rank"] is not None and (rank is None or s["rank"] < rank))
+            if r.source in RECIPES:
+                top3.append(s["rank"] is not None and s["rank"] <= 3)
+            print(line)
+    print(f"published best within the search's top 3 (recipes) or above the layouts compared with it: "
+          f"{sum(top3)}/{len(top3)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-cv", action="store_true", help="skip the leave-one-source-out cross-validation")
+    parser.add_argument("--no-search", action="store_true", help="skip the best-layout search")
     args = parser.parse_args()
     t0 = time.perf_counter()
     rows = published_runs.runs()
@@ -78,6 +113,8 @@ def main() -> None:
         print(_summary("leave-one-source-out, held-out rows", [e for e in cv if e["status"] == "held_out"]))
         print(_summary("leave-one-source-out, calibration rows", [e for e in cv if e["status"] == "calibration"]))
         _why(cv, rows)
+    if not args.no_search:
+        search(rows)
     print(f"\n({time.perf_counter() - t0:.0f} s)")
 
 

@@ -98,7 +98,7 @@ def test_estimate_with_cp_is_a_trace_of_the_shorter_chunk_plus_the_ring_blocks()
         MemoryConfig(model="tiny-llama", cp=2, gpus=4)
 
 
-def test_plan_tries_context_parallel_only_for_long_sequences():
+def test_plan_tries_context_parallel_where_it_splits_the_sequence():
     from labkit.parallel import planner
 
     long = planner.plan(planner.PlanRequest(model="llama3-8b", gpus=8, gpus_per_node=8, seq=32768, batch=8))
@@ -114,4 +114,4 @@ def test_plan_tries_context_parallel_only_for_long_sequences():
                              1, 1, 1, 0, 1, cp=8)
     assert split.cp == 8 and "cp=8" in split.layout and split.comm_s["cp"] > 0
     short = planner.plan(planner.PlanRequest(model="llama3-8b", gpus=8, gpus_per_node=8))
-    assert {o.cp for o in short.fits + short.too_big} == {1}
+    assert {o.cp for o in short.fits + short.too_big} > {1}  # issue 42: cp wherever it splits the sequence

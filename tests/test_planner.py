@@ -42,7 +42,7 @@ def test_tp_beyond_a_node_is_rejected_with_the_reason(gpt3_plan):
 def test_what_fits_175b_on_64_a100(gpt3_plan):
     assert gpt3_plan.fits, "some layout must fit 175B on 64 x A100 80GB"
     for o in gpt3_plan.fits:
-        assert o.dp * o.tp * o.pp == 64 and o.tp <= 8
+        assert o.dp * o.tp * o.pp * o.cp == 64 and o.tp <= 8  # cp wherever it splits the 2048 tokens
         assert o.memory_bytes <= GPT3_ON_64.capacity_bytes
     layouts = {(o.dp, o.tp, o.pp) for o in gpt3_plan.fits}
     assert (1, 8, 8) in layouts  # TP inside the node, PP across the 8 nodes, no room left for DP

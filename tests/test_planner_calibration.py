@@ -15,9 +15,11 @@ A100 = hardware.default_efficiency("a100-80gb")
 #: "Where the model is weak"): MT-NLG's three iteration times fit (m + 34) x 0.196 s + 6.3 s; the model has the
 #: bubble but no 6.3 s per-step term. The LM head on the last stage, the recomputation switches and the p2p / DP
 #: traffic on its fabric are counted and ruled out as the cause (the rows' `miss`).
-KNOWN_MISSES = {"mt-nlg-530b-2240", "mt-nlg-530b-2800", "mt-nlg-530b-3360"}
+#: Issue 42's two: NeMo's GPT-3 20B (its distributed optimizer's rings would need the node's NICs striped, which
+#: Megatron-LM's own 2024 rows contradict) and Llama 3 8B with CP=2 (TE's CP attention beyond the ring exchange).
+KNOWN_MISSES = {"mt-nlg-530b-2240", "mt-nlg-530b-2800", "mt-nlg-530b-3360", "nemo-gpt3-20b", "nemo-llama3-8b-cp2"}
 ASSUMABLE = {"micro_batch", "interleave", "batch", "gpus", "seq", "vocab", "checkpointing", "flash", "counts_recompute",
-             "tp", "pp", "zero", "gpu", "inter_node_gbps"}
+             "tp", "pp", "zero", "gpu", "inter_node_gbps", "attention", "tp_overlap", "optimizer_states"}
 
 
 def test_the_table_cites_its_sources_and_marks_every_row():
@@ -48,7 +50,8 @@ def test_the_constants_are_the_fit_of_the_calibration_rows():
     for key, value in hardware.CONSTANTS.items():
         assert fitted[key] == pytest.approx(value, abs=0.006), key
     assert set(calibration.free_constants(published_runs.runs(calibration_only=True))) == {
-        "matmul_efficiency.a100", "matmul_efficiency.h100", "comm_efficiency.nvlink", "overlap_efficiency"}
+        "matmul_efficiency.a100", "matmul_efficiency.h100", "matmul_efficiency.v100", "comm_efficiency.nvlink",
+        "overlap_efficiency", "stack_efficiency.h100"}
 
 
 def test_constants_fitted_on_korthikanti_alone_predict_narayanan():

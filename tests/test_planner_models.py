@@ -51,7 +51,7 @@ def test_family_counts_are_exact_and_the_planner_accepts_them(configs, family):
     assert spec.kind in ("llm", "gpt") and spec.num_blocks == 4 and spec.linears
     req = planner.PlanRequest(model=str(configs / family / "config.json"), gpus=4, gpus_per_node=4, batch=8, seq=128)
     result = planner.plan(req)
-    assert result.fits and all(o.dp * o.tp * o.pp == 4 for o in result.fits)
+    assert result.fits and all(o.dp * o.tp * o.pp * o.cp == 4 for o in result.fits)
 
 
 def test_a_cached_hub_id_plans_offline(tmp_path, monkeypatch):

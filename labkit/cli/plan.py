@@ -6,7 +6,8 @@
         --zero 2 --interleave 8 --seq 8192 --batch 2048 --checkpointing none
 
 `--model` takes what `labkit memory estimate` takes: a preset, a Hugging Face id in the local cache, a folder
-or a config.json (llama, mistral, qwen2, mixtral, gpt2, gpt_neox, bloom, opt, falcon). Core:
+or a config.json (llama, mistral, qwen2, mixtral, gpt2, gpt_neox, bloom, opt, falcon). --stack, --attention,
+--tp-overlap and --optimizer-states describe the run's software (they reach the time and memory models). Core:
 `labkit.parallel.planner` (pure Python, no torch). With --dp/--tp/--pp it checks that one layout and prints
 its estimate or the reason it cannot run. Step times come from `labkit.parallel.perf_model` with the
 constants fitted to published runs (`labkit.parallel.hardware`); `--matmul-efficiency X` or `--measured FILE`
@@ -23,7 +24,8 @@ from labkit.parallel import hardware, planner
 
 #: PlanRequest fields the command passes through.
 REQUEST_KEYS = ("model", "gpus", "gpus_per_node", "gpu", "batch", "seq", "checkpointing", "matmul_efficiency",
-                "measured", "inter_node_gbps", "interleave", "flash", "sequence_parallel", "precision", "fsdp")
+                "measured", "inter_node_gbps", "interleave", "flash", "sequence_parallel", "precision", "fsdp",
+                "stack", "attention", "tp_overlap", "optimizer_states")
 
 
 def run_plan(*, model: str, gpus: int, gpus_per_node: int, gpu: str = "a100-80gb", top: int = 10, dp=None, tp=None,
@@ -50,7 +52,7 @@ def format_layout(data: dict) -> str:
     r = data["request"]
     lines = [f"{r['model']} on {r['gpus']} x {r['gpu']}: valid layout; usable {data['capacity_gb']:.0f} GB/GPU"]
     for o in data["layout"]:
-        verdict = "fits" if o["fits"] else "DOES NOT FIT"
+        verdict = "fits" if o["fits"] else f"DOES NOT FIT ({o['overflow']})"
         lines.append(f"  {o['layout']} (micro-batch {o['micro_batch']}): {o['memory_gb']:.1f} GB/GPU {verdict}, "
                      f"bubble {o['bubble']:.3f}, step {o['step_s']:.2f} s, {o['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "
                      f"mfu {o['mfu']:.2f}, hfu {o['hfu']:.2f}, {o['tflops_per_gpu']:.0f} TFLOPS/GPU, "
@@ -86,6 +88,17 @@ def format_layout(data: dict) -> str:
               help="no sequence parallelism under TP")
 @click.option("--precision", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True,
               help="fp8: the linears on FP8 tensor cores (H100/H200/B200), at a stated efficiency")
+@click.option("--stack", type=click.Choice(list(hardware.STACKS)), default="megatron", show_default=True,
+              help="software stack: megatron (Megatron-Core/NeMo, fused Transformer Engine kernels), torch-compile "
+                   "(torch-native under torch.compile), eager (torch-native, one kernel per op); torch-native "
+                   "linears run at a fitted share of the fused stack's GEMM rate")
+@click.option("--attention", type=click.Choice(list(hardware.ATTENTION_KERNELS)), default=None,
+              help="attention kernel: fa2, sdpa (PyTorch's: FA2 on A100/H100, memory-efficient on V100/T4), fa3 "
+                   "(FA3 / cuDNN, Hopper+), triton (2022-23 Triton flash), eager (unfused) [fa2; V100/T4: sdpa]")
+@click.option("--tp-overlap", is_flag=True,
+              help="overlap TP collectives with the GEMMs beside them (--tp-comm-overlap, AsyncTP)")
+@click.option("--optimizer-states", type=click.Choice(list(hardware.OPTIMIZER_STATES)), default="fp32",
+              show_default=True, help="Adam's moments in fp32 (12 B/param with the master) or bf16 (8 B)")
 @click.option("--inter-node-gbps", type=click.FloatRange(0, min_open=True), default=None,
               help="inter-node bandwidth per GPU, Gb/s [the GPU's system: A100 200, H100/H200/B200 400]")
 @click.option("--matmul-efficiency", type=click.FloatRange(0, 1, min_open=True), default=None,
@@ -94,7 +107,10 @@ def format_layout(data: dict) -> str:
               help="plan with a node's measured efficiency (the file `labkit preflight` wrote)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def command(as_json: bool, top: int, **options) -> None:
-    """Enumerate and rank (dp, tp, pp, ZeRO stage, micro-batches) for MODEL on GPUS GPUs."""
+    """Enumerate and rank (dp, tp, pp, cp, ZeRO stage, micro-batches) for MODEL on GPUS GPUs.
+
+    A layout "does not fit" only when the memory estimator says so with these settings (--optimizer-states,
+    --checkpointing, ZeRO over dp x cp); the output names the term that overflows and why others were dropped."""
     if any(options[k] is not None for k in ("dp", "tp", "pp", "cp", "ep")):
         data = run_plan(top=top, **options)
         click.echo(json.dumps(data, indent=1) if as_json else format_layout(data))

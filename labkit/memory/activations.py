@@ -48,6 +48,9 @@ class Step:
     lora_targets: frozenset = frozenset()
     lora_rank: int = 0
     """0 = full fine-tune (every weight trainable); > 0 = LoRA on a frozen base."""
+    fused_loss: bool = False
+    """A fused cross-entropy (flash-attn's, Liger's, Megatron-Core's loss fusion) keeps only the logits in the
+    compute dtype and writes their gradient in place: no fp32 copy, no fp32 log-probabilities."""
     fused: bool = False
     """Fused RMSNorm / SwiGLU kernels (Megatron-LM, Meta, Transformer Engine) instead of HF's eager modules:
     the norm keeps its bf16 input and an fp32 rstd (no fp32 copy, no normalised copy), SwiGLU its input
@@ -124,7 +127,7 @@ def _head(arch: dict, st: Step, gpt: bool) -> tuple[float, float, float]:
     t, e, h, vocab = st.micro_batch * st.seq, st.act_bytes, arch["hidden"], arch["vocab"]
     full = st.lora_rank == 0
     norm = (2 * e * t * h) if gpt else (FP32 * t * h + FP32 * t + (2 * e * t * h if full else 0))
-    logits = t * vocab * (e + (FP32 if e != FP32 else 0) + FP32)
+    logits = t * vocab * (e if st.fused_loss else e + (FP32 if e != FP32 else 0) + FP32)
     rope = 0 if gpt else 2 * st.micro_batch * st.seq * arch["head_dim"] * e  # cos, sin shared by layers
     return (norm / st.tp if st.sp else norm), rope, logits / st.tp
 

@@ -85,6 +85,10 @@ class MemoryConfig:
     """fp32, bf16, fp16 (pure: states in that dtype), mixed-bf16, mixed-fp16 (fp32 master, ZeRO)."""
     optimizer: str = "adamw"
     """adamw, sgd, sgd-momentum, adamw-8bit, paged-adamw-8bit."""
+    optimizer_states: str = "fp32"
+    """Adam's moments in fp32 or bf16 (Megatron's precision-aware optimizer, NeMo's large recipes); mixed only."""
+    fused_loss: bool = False
+    """A fused cross-entropy keeps only the compute-dtype logits (`labkit.memory.activations.Step.fused_loss`)."""
     zero: int = 0
     """ZeRO stage 0-3 over the data-parallel group."""
     zero_group: int = 0
@@ -132,7 +136,8 @@ class MemoryConfig:
         if self.params is not None:
             _positive("params", self.params)
         for name, valid in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS), ("offload", OFFLOADS),
-                            ("quant", QUANTS), ("checkpointing", CHECKPOINTING)):
+                            ("quant", QUANTS), ("checkpointing", CHECKPOINTING),
+                            ("optimizer_states", ("fp32", "bf16"))):
             if getattr(self, name) not in valid:
                 raise choices_error(name, getattr(self, name), valid)
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
@@ -301,7 +306,7 @@ def _states(spec: ModelSpec, cfg: MemoryConfig) -> tuple[dict, int, list]:
     if cfg.optimizer in EIGHT_BIT:
         slot = 1 + 4 / BNB_BLOCK
     else:
-        slot = 4 if (master or cfg.precision == "fp32") else wb
+        slot = 4 if (master or cfg.precision == "fp32") and cfg.optimizer_states == "fp32" else wb
     per_trainable = master + OPTIMIZERS[cfg.optimizer] * slot
     buffers = spec.buffers * wb
     notes = [f"{cfg.precision} + {cfg.optimizer}: {wb} B weights + {wb} B grads + {per_trainable:g} B "
@@ -323,7 +328,7 @@ def _shard(parts: dict, spec: ModelSpec, cfg: MemoryConfig, trainable: int, note
     share = _share(spec, cfg)
     if share != 1.0:
         notes.append(f"tp={cfg.tp} x pp={cfg.pp}: this GPU holds {share:.4f} of the weights (busiest stage)")
-    nd = cfg.zero_group or cfg.dp
+    nd = (cfg.zero_group or cfg.dp) * cfg.cp  # cp ranks hold the same weights: ZeRO shards over dp x cp
     experts = _expert_fraction(spec, cfg, notes)
     for key, stage in (("optimizer", 1), ("grads", 2), ("weights", 3)):
         divisor = nd if cfg.zero >= stage else 1
@@ -334,8 +339,8 @@ def _shard(parts: dict, spec: ModelSpec, cfg: MemoryConfig, trainable: int, note
         # dense part / ZeRO's N_d; expert part / ep, or / N_d when ZeRO shards it over all dp ranks anyway
         parts[key] = math.ceil(parts[key] * share * ((1 - frac) / divisor + frac / max(divisor, cfg.ep)))
     if cfg.zero:
-        notes.append(f"ZeRO-{cfg.zero} over N_d={nd} ranks" +
-                     (f" (hybrid: replicated over {cfg.dp // nd} groups)" if nd != cfg.dp else ""))
+        notes.append(f"ZeRO-{cfg.zero} over N_d={nd} ranks" + (f" (dp x cp={cfg.cp})" if cfg.cp > 1 else "") +
+                     (f" (hybrid: replicated over {cfg.dp * cfg.cp // nd} groups)" if nd != cfg.dp * cfg.cp else ""))
     cpu = 0
     if cfg.offload != "none":
         # ZeRO-Offload: fp32 master + moments live on the host with an fp32 gradient copy for CPU Adam.
@@ -401,7 +406,7 @@ def _activations(spec: ModelSpec, cfg: MemoryConfig, notes: list) -> int:
         notes.append(f"cp={cfg.cp}: {seq} tokens of each sequence per GPU + {ring:,} B of ring K/V blocks")
     step = act.Step(micro_batch=micro, seq=seq, act_bytes=e, checkpointing=cfg.checkpointing,
                     flash=cfg.flash_attention, tp=cfg.tp, sp=cfg.sequence_parallel and cfg.tp > 1,
-                    pp=cfg.pp, n_micro=cfg.grad_accum, fused=cfg.fused_kernels,
+                    pp=cfg.pp, n_micro=cfg.grad_accum, fused=cfg.fused_kernels, fused_loss=cfg.fused_loss,
                     lora_targets=frozenset(lora_targets(spec, cfg)), lora_rank=cfg.lora_rank)
     notes.append(f"micro-batch {micro} x seq {seq}, {e} B activations, checkpointing {cfg.checkpointing}, "
                  f"{'flash/SDPA' if cfg.flash_attention else 'eager'} attention"

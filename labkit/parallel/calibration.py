@@ -2,8 +2,9 @@
 
 Pure Python. The constants (`labkit.parallel.hardware.CONSTANTS`) each have a physical meaning: the share of
 the dense peak an A100 / an H100 reaches on the arithmetic of the model's GEMMs (their HBM traffic is priced
-separately, `labkit.parallel.perf_ops`), the share of NVLink's data-sheet bandwidth NCCL reaches, and the share
-of an overlapped collective that really runs concurrently. Everything else the time model uses is measured
+separately, `labkit.parallel.perf_ops`), the share of that rate a torch-native stack's linears reach on an H100
+(`hardware.stack_efficiency`), the share of NVLink's data-sheet bandwidth NCCL reaches, and the share of an
+overlapped collective that really runs concurrently. Everything else the time model uses is measured
 elsewhere and stated (kernel efficiencies, HBM, the MAMF ceilings), so the fit cannot bend it to a source. `fit` minimizes the mean squared log error in tokens/s per GPU over the rows marked
 `calibration` that count (coordinate descent, golden-section search per constant in [0.3, 1]);
 `leave_one_source_out` refits without each source in turn and predicts that source's rows, calibration and
@@ -22,8 +23,9 @@ BOUNDS = (0.3, 1.0)
 FITTED_COMM = ("comm_efficiency.nvlink", "overlap_efficiency")
 #: Where every fit starts (the values before issue 27's fit: the A100 default of issue 19, nccl-tests' NVLink
 #: share, the network's line-rate share, a guess for the overlap), so a refit is deterministic.
-PRIOR = {"matmul_efficiency.a100": 0.72, "matmul_efficiency.h100": 0.72, "comm_efficiency.nvlink": 0.75,
-         "comm_efficiency.network": 0.9, "overlap_efficiency": 0.65}
+PRIOR = {"matmul_efficiency.a100": 0.72, "matmul_efficiency.h100": 0.72, "matmul_efficiency.v100": 0.72,
+         "comm_efficiency.nvlink": 0.75,
+         "comm_efficiency.network": 0.9, "overlap_efficiency": 0.65, "stack_efficiency.h100": 1.0}
 PHI = (math.sqrt(5) - 1) / 2
 
 
@@ -51,10 +53,13 @@ def _loss(rows, constants: dict) -> float:
 
 
 def free_constants(rows) -> list[str]:
-    """The constants these rows can determine: a GPU family's efficiency only if a row ran on it; a
-    communication constant only if moving it by +-0.05 moves the rows' loss (else it keeps its prior)."""
+    """The constants these rows can determine: a GPU family's efficiency only if a row ran on it (its
+    torch-native stack efficiency only if a torch-native row did); a communication constant only if moving it
+    by +-0.05 moves the rows' loss (else it keeps its prior)."""
     families = {hardware.gpu_family(r.gpu) for r in rows}
+    torch = {{"h200": "h100"}.get(f, f) for f in (hardware.gpu_family(r.gpu) for r in rows if r.layout().stack != "megatron")}
     out = [k for k in hardware.CONSTANTS if k.startswith("matmul_efficiency.") and k.split(".")[1] in families]
+    out += [k for k in hardware.CONSTANTS if k.startswith("stack_efficiency.") and k.split(".")[1] in torch]
     base = dict(hardware.CONSTANTS)
     for key in FITTED_COMM:
         lo, hi = max(BOUNDS[0], base[key] - 0.05), min(BOUNDS[1], base[key] + 0.05)
@@ -66,16 +71,25 @@ def free_constants(rows) -> list[str]:
 def fit(rows=None, *, rounds: int = 2, iterations: int = 18) -> dict:
     """Constants minimizing the mean squared log error over `rows` (default: the counted calibration rows).
 
-    A family's efficiency with no row to fit keeps the A100's fitted value (said in `leave_one_source_out`)."""
+    Two stages: the GPU and fabric constants on the fused-stack (Megatron/TE) rows, then each torch-native
+    stack efficiency on the torch-native rows with those held -- a torch-native row measures its stack against
+    the GPU, not the GPU itself. A family's efficiency with no row to fit keeps the A100's fitted value (said
+    in `leave_one_source_out`); a stack efficiency with no row keeps 1.0."""
     rows = [r for r in (rows if rows is not None else published_runs.runs(calibration_only=True)) if r.counts]
+    fused = [r for r in rows if r.layout().stack == "megatron"]
     best = dict(PRIOR)
     with using(PRIOR):
-        free = free_constants(rows)
-    for _ in range(rounds):
-        for key in free:
-            best[key] = _golden(lambda x: _loss(rows, {**best, key: x}), iterations)
+        gpus = free_constants(fused)
+    for stage in (fused, [r for r in rows if r not in fused]):
+        if not stage:
+            continue
+        with using(PRIOR):
+            free = [k for k in free_constants(stage) if k.startswith("stack_") == (stage is not fused)]
+        for _ in range(rounds):
+            for key in free:
+                best[key] = _golden(lambda x: _loss(stage, {**best, key: x}), iterations)
     for key in hardware.CONSTANTS:
-        if key not in free and key.startswith("matmul_efficiency."):
+        if key.startswith("matmul_efficiency.") and key not in gpus:
             best[key] = best["matmul_efficiency.a100"]
     return best
 

@@ -17,7 +17,7 @@ The time model's constants, each with a physical meaning (`CONSTANTS`, fitted by
   overlap efficiency share of the shorter of a layer's compute and its data-parallel collectives that really
                      runs concurrently (NCCL's kernels take SMs and HBM bandwidth from the GEMMs).
 Everything else is stated, not fitted: HBM efficiency, flash-attention kernel efficiency (FlashAttention-2's
-published curves), FP8 and B200 matmul efficiency (from the MAMF ceilings), V100's (an assumption), the
+published curves), FP8 and B200 matmul efficiency (from the MAMF ceilings), T4's (an assumption), the
 power-capped H100's peak (an interpolation). A node's own measurement (`labkit preflight`) is used only when the caller
 passes it (`matmul_efficiency(..., measured=path)`): a measurement written to a shared cache must not
 silently change everybody's plan (issue 25, finding 7).
@@ -61,7 +61,9 @@ class GpuSpec:
 #: 2039 GB/s (80GB) / 1555 (40GB), DGX A100 8 x HDR 200 Gb/s; H100 SXM 989 bf16 / 1979 fp8, NVLink4 900 GB/s,
 #: HBM3 3350 GB/s, DGX H100 8 x NDR 400 Gb/s; H200 the H100's compute with 141 GB HBM3e at 4800 GB/s; B200
 #: (HGX/DGX B200) 2250 bf16 / 4500 fp8 dense, 180 GB HBM3e 8000 GB/s, NVLink5 1800 GB/s, 8 x 400 Gb/s;
-#: V100 SXM2 125 fp16, NVLink2 300 GB/s, HBM2 900 GB/s, EDR 100 Gb/s. `h100-96gb`: the H100 SXM with 96 GB
+#: V100 SXM2 125 fp16, NVLink2 300 GB/s, HBM2 900 GB/s, EDR 100 Gb/s; T4 (Colab's, Kaggle's) 65 fp16, 16 GB GDDR6
+#: at 320 GB/s, no NVLink: PCIe Gen3 x16, 16 GB/s per direction, between the GPUs of a node; 25 Gb/s Ethernet
+#: between hosts (an assumption: T4 clouds do not publish a training fabric). `h100-96gb`: the H100 SXM with 96 GB
 #: HBM2e at 2.4 TB/s run at a 500 W power limit (Meta's Grand Teton), that torchtitan's published benchmarks ran
 #: on. Its peak is "between SXM and NVL, and we don't know its exact value" (torchtitan): a tensor core's peak is
 #: its clock, and the clock a GPU holds is set by its power limit, so we interpolate the data sheets' dense bf16
@@ -75,6 +77,7 @@ GPUS = {
     "h200": GpuSpec(141.0, 989.0, 450.0, 400.0, 4800.0, fp8_tflops=1979.0),
     "b200": GpuSpec(180.0, 2250.0, 900.0, 400.0, 8000.0, fp8_tflops=4500.0),
     "v100-32gb": GpuSpec(32.0, 125.0, 150.0, 100.0, 900.0),
+    "t4-16gb": GpuSpec(16.0, 65.0, 16.0, 25.0, 320.0),
 }
 #: Older names that mean the same card (kept as keys too: `labkit preflight` and old notebooks index GPUS by them).
 ALIASES = {"h100-80gb": "h100-sxm"}
@@ -100,7 +103,7 @@ def gpu_family(gpu: str) -> str:
 
 
 def default_precision(gpu: str) -> str:
-    return "fp16" if gpu_family(gpu) == "v100" else "bf16"
+    return "fp16" if gpu_family(gpu) in ("v100", "t4") else "bf16"
 
 
 #: Share of the HBM data-sheet bandwidth fused elementwise kernels reach (assumption: copy kernels reach
@@ -109,6 +112,48 @@ MEMORY_EFFICIENCY = 0.8
 #: Bytes the optimizer step reads and writes per parameter it updates (Adam, mixed precision: fp32 master,
 #: m, v and gradient read, three written back, bf16 weight written).
 OPTIMIZER_BYTES = 32
+#: The same with Adam's moments kept in bf16 (`--optimizer-states bf16`: Megatron-Core's precision-aware
+#: optimizer, NeMo's large recipes): m and v read and written in 2 B each instead of 4.
+OPTIMIZER_STATES = ("fp32", "bf16")
+
+
+def optimizer_bytes(states: str = "fp32") -> int:
+    """HBM bytes the Adam step moves per parameter it updates (`OPTIMIZER_BYTES`, 8 fewer with bf16 moments)."""
+    if states not in OPTIMIZER_STATES:
+        raise choices_error("optimizer_states", states, OPTIMIZER_STATES)
+    return OPTIMIZER_BYTES - (8 if states == "bf16" else 0)
+
+
+#: Software stacks (`Layout.stack`, `labkit plan --stack`): which kernels run a step.
+#:   megatron       Megatron-Core / NeMo with Transformer Engine (and Meta's Llama 3 stack): fused norm, SwiGLU and
+#:                  bias-dropout-add kernels, TE's GEMMs with fused casts -- what the calibration rows ran
+#:   torch-compile  torch-native (torchtitan, FSDP scripts, llm-foundry) under torch.compile: fused elementwise
+#:                  kernels; the linears are nn.Linear GEMMs through cuBLAS, one launch per op
+#:   eager          torch-native without compile: one kernel per elementwise op (`perf_ops.elementwise_bytes`)
+#: A torch-native step's linears reach `stack_efficiency` of the fused stack's GEMM rate on a GPU family: what
+#: the model does not itemize (nn.Linear's cuBLAS heuristics against TE's tuned GEMMs, per-op launches, the casts
+#: and transposes TE fuses into its GEMMs' neighbours). Fitted per family like the matmul efficiency, on the
+#: torch-native calibration rows (H100: torchtitan's single-node 8B runs); a family without such rows keeps the
+#: fused stack's rate (1.0), stated in the plan.
+STACKS = ("megatron", "torch-compile", "eager")
+
+
+def stack_efficiency(gpu: str, stack: str = "megatron") -> float:
+    """Share of the fused stack's GEMM rate `stack`'s linears reach on `gpu` (1.0 for megatron; H200 = H100)."""
+    if stack not in STACKS:
+        raise choices_error("stack", stack, STACKS)
+    fam = gpu_family(gpu)
+    return 1.0 if stack == "megatron" else CONSTANTS.get(f"stack_efficiency.{ {'h200': 'h100'}.get(fam, fam) }", 1.0)
+#: Attention kernels (`Layout.attention`, `labkit plan --attention`) as a multiple of FlashAttention-2's rate
+#: (`ATTENTION_EFFICIENCY`): 'sdpa' is PyTorch's scaled_dot_product_attention, which runs FA2 on A100/H100
+#: (pytorch/pytorch#142132) and its memory-efficient kernel on V100/T4 (no FA2 there: ATTENTION_EFFICIENCY's
+#: V100/T4 entries are that kernel's); 'fa3' is FlashAttention-3 or cuDNN's fused attention on Hopper and later,
+#: "1.5-2.0x faster than FlashAttention-2" in BF16 (Shah et al. 2024, abstract): 1.75; 'triton' is the Triton
+#: flash-attention kernel of 2022-23 (MosaicML's MPT), which FlashAttention-2 beats "1.3-2.5x" (Dao 2023,
+#: Sec. 4.1): 1 / 1.8; 'eager' is the unfused path (QK^T, softmax, AV through HBM: `perf_ops.attention_s`).
+ATTENTION_KERNELS = {"fa2": 1.0, "sdpa": 1.0, "fa3": 1.75, "triton": 1 / 1.8, "eager": 0.0}
+#: Kernels a GPU family cannot run (FA2 needs sm80+, FA3 / cuDNN fused attention sm90+).
+ATTENTION_NEEDS = {"fa2": ("a100", "h100", "h200", "b200"), "fa3": ("h100", "h200", "b200")}
 #: Maximum achievable matmul FLOPS: the best torch.mm rate a brute-force search over shapes finds, as a share of
 #: the dense data-sheet peak (S. Bekman, "Machine Learning Engineering", compute/accelerator/README.md, "Maximum
 #: Achievable Matmul FLOPS comparison table"): A100 SXM 271.2/312 bf16; H100 SXM 794.5/989 bf16 ("H200 is the
@@ -126,13 +171,24 @@ MAMF = {("a100", "bf16"): 0.869, ("h100", "bf16"): 0.803, ("h100", "fp8"): 0.709
 #: reaches "up to 335 TFLOPs/s" forward + backward (Dao 2023, Fig. 7: no mask), x 189/203 for the causal mask:
 #: 0.32 x 989 at long sequences ("35 %" of the peak: Shah et al. 2024, FlashAttention-3, which -- like cuDNN --
 #: would roughly double it: pytorch/pytorch#142132). B200, V100: assumptions (no published row).
-ATTENTION_EFFICIENCY = {"a100": 0.62, "h100": 0.32, "b200": 0.35, "v100": 0.3}
+ATTENTION_EFFICIENCY = {"a100": 0.62, "h100": 0.32, "b200": 0.35, "v100": 0.3, "t4": 0.3}
 
 
-def attention_efficiency(gpu: str) -> float:
-    """Long-sequence share of the bf16 peak a flash attention kernel reaches on `gpu` (H200 = H100's dies)."""
+def default_attention(gpu: str) -> str:
+    """FlashAttention-2 where it runs (A100 and later), else PyTorch's SDPA (its memory-efficient kernel)."""
+    return "fa2" if gpu_family(gpu) in ATTENTION_NEEDS["fa2"] else "sdpa"
+
+
+def attention_efficiency(gpu: str, kernel: str = "fa2") -> float:
+    """Long-sequence share of the bf16 peak the `kernel` attention reaches on `gpu` (H200 = H100's dies);
+    ConfigError if the GPU cannot run it (`ATTENTION_NEEDS`)."""
     fam = gpu_family(gpu)
-    return ATTENTION_EFFICIENCY[{"h200": "h100"}.get(fam, fam)]
+    if kernel not in ATTENTION_KERNELS:
+        raise choices_error("attention", kernel, ATTENTION_KERNELS)
+    if fam not in ATTENTION_NEEDS.get(kernel, (fam,)):
+        raise ConfigError(f"attention {kernel} on {gpu}: the kernel needs {'/'.join(ATTENTION_NEEDS[kernel])} "
+                          "GPUs; use sdpa (PyTorch's, which picks what the GPU has) or eager")
+    return ATTENTION_EFFICIENCY[{"h200": "h100"}.get(fam, fam)] * (ATTENTION_KERNELS[kernel] or 1.0)
 
 
 @dataclass(frozen=True)
@@ -148,12 +204,18 @@ class Efficiency:
 CONSTANTS = {
     "matmul_efficiency.a100": 0.804,
     "matmul_efficiency.h100": 0.822,
+    "matmul_efficiency.v100": 0.984,
     "comm_efficiency.nvlink": 0.673,
     "comm_efficiency.network": 0.9,
     "overlap_efficiency": 0.703,
+    "stack_efficiency.h100": 0.748,
 }
 #: Assumed where neither a calibration row nor a MAMF measurement exists (stated in every plan's source line).
-ASSUMED_EFFICIENCY = {"v100": 0.75}
+#: T4: a 70 W card whose clocks drop under sustained tensor-core load; half its 65 TFLOPS data-sheet peak.
+#: (V100 is fitted since issue 42, on Megatron-LM v1.0's 1.2B baseline: 0.984 -- near 1 because the additive
+#: roofline charges V100's 900 GB/s HBM in full, where its GEMM kernels overlap much of it, and the DGX-2H's
+#: 450 W V100s peak ~4 % above the 125 TFLOPS modelled; its 4.2B TP-4 row, held out, comes out -2 %.)
+ASSUMED_EFFICIENCY = {"t4": 0.5}
 
 
 def comm_efficiency(link: str = "nvlink") -> float:
@@ -181,7 +243,8 @@ def default_efficiency(gpu: str, precision: str = "bf16") -> Efficiency:
         value, source = fitted, (f"{fam.upper()} efficiency fitted to the calibration rows of "
                                  "labkit/data/published_runs.json, labkit.parallel.calibration")
     elif (fam, "bf16") in MAMF:
-        shares = [CONSTANTS[k] / MAMF[(k.split(".")[1], "bf16")] for k in CONSTANTS if k.startswith("matmul_")]
+        shares = [CONSTANTS[k] / MAMF[(k.split(".")[1], "bf16")] for k in CONSTANTS
+                  if k.startswith("matmul_") and (k.split(".")[1], "bf16") in MAMF]
         value = MAMF[(fam, "bf16")] * sum(shares) / len(shares)
         source = (f"{fam.upper()} has no published row: its measured matmul ceiling, MAMF {MAMF[(fam, 'bf16')]:.0%} "
                   "of peak, x the share of theirs the fitted GPUs reach, labkit.parallel.hardware.MAMF")

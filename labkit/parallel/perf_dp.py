@@ -25,8 +25,12 @@ Link: the slowest of the group. A group inside one node runs on NVLink; a group 
 inter-node bandwidth PER GPU (its ring crosses a NIC at every node boundary). Ranks are placed in
 Megatron-LM's order (tp, cp fastest, then dp, then pp), so dp members share a node when tp x cp < GPUs per
 node. NCCL can stripe one ring over all of a node's NICs and beat this for groups with many members per
-node; the published ZeRO-3 runs (Narayanan et al. 2021 Table 2) scale like the per-GPU NIC, and that is
-what the model assumes. Introduced in notebook 07_model_parallel.
+node; the 2021 runs (Narayanan et al. 2021: Megatron's DDP, DeepSpeed's ZeRO-3 in Table 2) scale like the
+per-GPU NIC, and that is what the model assumes for them. Torch FSDP (`Layout.fsdp`: torchtitan, llm-foundry,
+Megatron-FSDP) stripes: one flat all-gather / reduce-scatter per layer, which NCCL splits into as many channels
+as the group has members on a node, each crossing the node boundary on its own NIC -- the ring's inter-node
+bandwidth is those NICs together, up to NVLink's. Without it the multi-node FSDP rows cannot be reproduced
+(MosaicML's 13B on 64 H100s moves ~100 GB per GPU in a 0.85 s step: more than twice one 400 Gb/s NIC). Introduced in notebook 07_model_parallel.
 """
 from __future__ import annotations
 
@@ -54,13 +58,15 @@ def members_per_node(tp: int, cp: int, dp: int, gpus_per_node: int) -> int:
     return max(1, min(dp, gpus_per_node // (tp * cp)))
 
 
-def link_bandwidth(gpu, group: int, per_node: int, inter_node_gbps: float) -> float:
-    """Bus bandwidth (B/s) of a ring over `group` ranks, `per_node` of them on each node."""
+def link_bandwidth(gpu, group: int, per_node: int, inter_node_gbps: float, rails: int = 1) -> float:
+    """Bus bandwidth (B/s) of a ring over `group` ranks, `per_node` of them on each node; across nodes the
+    collective stripes its channels over `rails` NICs per node (bounded by NVLink, which every channel crosses)."""
+    nvlink = gpu.nvlink_gbs * 1e9 * comm_efficiency("nvlink")
     if group <= 1:
         return float("inf")
     if group <= per_node:
-        return gpu.nvlink_gbs * 1e9 * comm_efficiency("nvlink")
-    return inter_node_gbps / 8 * 1e9 * comm_efficiency("network")
+        return nvlink
+    return min(nvlink, rails * inter_node_gbps / 8 * 1e9 * comm_efficiency("network"))
 
 
 def exposed_behind(comm_s: float, compute_s: float) -> float:
@@ -82,7 +88,7 @@ def dp_time(lay, *, gpu, layers: int, params_on_gpu: float, fwd_s: float, bwd_s:
     m, layer_bytes = lay.microbatches, 2 * params_on_gpu / layers  # bf16 weights and gradients
     f, b = fwd_s / layers, bwd_s / layers
     shard = min(lay.shard_group or d, d) if lay.zero else d
-    bw = link_bandwidth(gpu, shard, per_node, inter_node_gbps)
+    bw = link_bandwidth(gpu, shard, per_node, inter_node_gbps, rails=per_node if lay.fsdp else 1)
     grad_bytes = layer_bytes * (2 if lay.reduce_fp32 else 1)  # torchtitan's FSDP reduces gradients in fp32
     ag = comm.bytes_sent("all_gather", layer_bytes, shard)
     rs = comm.bytes_sent("reduce_scatter", grad_bytes, shard)

@@ -36,13 +36,16 @@ from dataclasses import dataclass
 
 from labkit.errors import ConfigError, choices_error
 from labkit.parallel import comm, perf_ops
-from labkit.parallel.hardware import (ALIASES, GPUS, MEMORY_EFFICIENCY, OPTIMIZER_BYTES, PERF_FILE_ENV,  # noqa: F401
+from labkit.parallel.hardware import (ALIASES, ATTENTION_KERNELS, GPUS, MEMORY_EFFICIENCY,  # noqa: F401
+                                      OPTIMIZER_BYTES, OPTIMIZER_STATES, PERF_FILE_ENV, STACKS, CONSTANTS,
                                       PERF_FILE_NAME, Efficiency, GpuSpec, attention_efficiency, comm_efficiency,
+                                      optimizer_bytes, default_precision, default_attention, stack_efficiency,
                                       default_efficiency,
                                       gpu_family, gpu_spec, matmul_efficiency, read_perf_file,
                                       record_measurement)
 from labkit.parallel.perf_dp import dp_time, exposed_behind
-from labkit.parallel.perf_ops import (attention_flops, layer_forward_flops, linear_flops,  # noqa: F401 (re-exported)
+from labkit.parallel.perf_ops import (DEEPSPEED_P2P_EXPOSED, attention_flops,  # noqa: F401 (re-exported)
+                                     layer_forward_flops, linear_flops,
                                      recompute_flops, step_flops)
 
 
@@ -50,10 +53,6 @@ SELECTIVE = ("core", "op")
 PIPELINE_ENGINES = ("megatron", "deepspeed")
 #: How a pipeline's stages get their layers (`Layout.pp_partition`).
 PP_PARTITIONS = ("transformer", "transformer|embedding")
-#: One-way transfer times of a boundary activation on the critical path per micro-batch in DeepSpeed's pipeline
-#: engine (blocking send/recv with both neighbours every step, chained; bench/pipeline_p2p_sim.py replays its
-#: TrainSchedule: 4.0-4.4 for 4-35 stages, 2 for 2).
-DEEPSPEED_P2P_EXPOSED = 4
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,16 @@ class Layout:
     fused_kernels: bool = True
     """Activations saved as fused kernels save them (Megatron, Meta); False = Hugging Face's eager modules."""
     eager: bool = False
-    """Elementwise ops run as one eager PyTorch kernel each (no torch.compile, no fused kernels): more HBM traffic."""
+    """Elementwise ops run as one eager PyTorch kernel each (no torch.compile, no fused kernels): more HBM traffic.
+    Set by stack='eager'."""
+    stack: str = "megatron"
+    """Software stack (`hardware.STACKS`): 'megatron' (Megatron-Core/NeMo/TE: fused kernels), 'torch-compile' or
+    'eager' (torch-native linears at `CONSTANTS['stack_efficiency.torch']` of the fused stack's GEMM rate)."""
+    attention: str = ""
+    """Attention kernel (`hardware.ATTENTION_KERNELS`): fa2, sdpa, fa3 (or cuDNN), triton, eager (= flash False);
+    '' = the GPU's default (`hardware.default_attention`)."""
+    optimizer_states: str = "fp32"
+    """Adam's moments in fp32 or bf16 (the optimizer step's HBM bytes, `hardware.optimizer_bytes`)."""
     selective: str = "core"
     """What checkpointing='selective' recomputes: 'core' = the attention core (Korthikanti et al. 2022; a flash
     kernel keeps its output, nothing to redo); 'op' = torchtitan's per-op policy, every second matmul and all
@@ -122,6 +130,14 @@ class Layout:
                               ("pp_partition", PP_PARTITIONS)):
             if getattr(self, name) not in allowed:
                 raise choices_error(name, getattr(self, name), allowed)
+        for name, allowed in (("stack", STACKS), ("attention", ("",) + tuple(ATTENTION_KERNELS)),
+                              ("optimizer_states", OPTIMIZER_STATES)):
+            if getattr(self, name) not in allowed:
+                raise choices_error(name, getattr(self, name), allowed)
+        if self.stack == "eager":
+            object.__setattr__(self, "eager", True)
+        if self.attention == "eager":
+            object.__setattr__(self, "flash", False)
         if self.shard_group and (not self.zero or self.dp % self.shard_group):
             raise ConfigError(f"shard_group={self.shard_group} must divide dp={self.dp} and needs zero >= 1 (HSDP)")
 
@@ -160,14 +176,16 @@ def _rates(gpu: str, lay: Layout, efficiency: Efficiency) -> perf_ops.Rates:
     """What one GPU of `gpu` sustains for this layout (FP8: the linears on the FP8 tensor cores)."""
     g = gpu_spec(gpu)
     hbm = g.hbm_gbs * 1e9 * MEMORY_EFFICIENCY
-    attention = g.peak_tflops * 1e12 * attention_efficiency(gpu)
+    attention = g.peak_tflops * 1e12 * attention_efficiency(
+        gpu, default_attention(gpu) if lay.attention in ("", "eager") else lay.attention)
+    stack = stack_efficiency(gpu, lay.stack)
     if lay.precision == "fp8":
         if not g.fp8_tflops:
             raise ConfigError(f"precision fp8 on {gpu}: it has no FP8 tensor cores; use bf16")
         gemm = g.peak_tflops * 1e12 * default_efficiency(gpu, "bf16").value
-        return perf_ops.Rates(g.fp8_tflops * 1e12 * efficiency.value, gemm, attention, hbm, linear_bytes=1.0)
+        return perf_ops.Rates(g.fp8_tflops * 1e12 * efficiency.value * stack, gemm, attention, hbm, linear_bytes=1.0)
     rate = g.peak_tflops * 1e12 * efficiency.value
-    return perf_ops.Rates(rate, rate, attention, hbm)
+    return perf_ops.Rates(rate * stack, rate, attention, hbm)
 
 
 @dataclass(frozen=True)
@@ -219,7 +237,8 @@ def _compute(spec, lay: Layout, seq: int, layers: int, rates: perf_ops.Rates, he
     elem = per_tok * perf_ops.elementwise_bytes(spec, tp=t, sp=lay.sequence_parallel and t > 1, seq=seq,
                                                 flash=lay.flash, eager=lay.eager)
     core = per_tok * perf_ops.softmax_bytes(spec, t, seq, lay.eager) if not lay.flash else 0.0
-    cast_f, cast_b = (per_tok * x for x in perf_ops.fp8_cast_bytes(spec, tok, t)) if lay.precision == "fp8" else (0, 0)
+    cast_f, cast_b = (per_tok * x for x in perf_ops.fp8_cast_bytes(spec, tok, t, fused=lay.stack == "megatron")) \
+        if lay.precision == "fp8" else (0, 0)
     loss = tok * perf_ops.loss_bytes(spec, t, lay.eager) / rates.hbm if head else 0.0
     if lay.checkpointing == "full":
         redo_mm, redo_mem = lin + att, elem + cast_f
@@ -261,26 +280,6 @@ def _tp_overlapped(spec, lay: Layout, tok: int, tp_s: float, n_ar: float, rates:
     return per_pass * n_ar / len(blocks)  # a pass of a layer is len(blocks) all-reduce equivalents
 
 
-def _pp_cost(lay: Layout, act: float, gpus: int, gpus_per_node: int, nvlink: float, network: float
-             ) -> tuple[float, float]:
-    """(bytes sent, exposed seconds) of the pipeline's point-to-point traffic per micro-batch and GPU.
-
-    Each tensor-parallel rank sends 1/tp of the boundary activation (the receiving node all-gathers it on NVLink:
-    Megatron's scatter/gather, Narayanan et al. 2021 Sec. 4.1; DeepSpeed's partitioned activations and
-    gradients), once forward and once backward per model chunk (x interleave, Sec. 2.2.2). Megatron exchanges
-    with one neighbour at a time (send_forward_recv_backward): both transfers are exposed. DeepSpeed's pipeline
-    engine waits on blocking rendezvous with both neighbours every step, which chain through the pipeline:
-    replaying its TrainSchedule, 4 one-way transfer times per micro-batch reach the critical path
-    (`bench/pipeline_p2p_sim.py`), twice the two it sends."""
-    if lay.pp == 1:
-        return 0.0, 0.0
-    crosses = gpus > gpus_per_node and lay.tp * lay.cp * lay.dp >= gpus_per_node  # stages tp*cp*dp ranks apart
-    bw = network if crosses else nvlink
-    sent = 2 * lay.interleave * comm.bytes_sent("send_recv", act / lay.tp, 2)
-    exposed = DEEPSPEED_P2P_EXPOSED / 2 if lay.pipeline_engine == "deepspeed" else 1.0
-    return sent, exposed * sent / bw
-
-
 def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, efficiency: Efficiency,
               params_on_gpu: float | None = None, inter_node_gbps: float | None = None) -> StepTime:
     """The time model of the module docstring for `spec` (a `labkit.memory.params.ModelSpec`)."""
@@ -293,7 +292,7 @@ def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, effi
     act = tok * spec.arch["hidden"] * 2  # one (b, s, h) bf16 activation
     nvlink = g.nvlink_gbs * 1e9 * comm_efficiency("nvlink")
     network = inter / 8 * 1e9 * comm_efficiency("network")
-    pp_bytes, pp = _pp_cost(lay, act, gpus, gpus_per_node, nvlink, network)
+    pp_bytes, pp = perf_ops.pp_cost(lay, act, gpus, gpus_per_node, nvlink, network)
 
     def stage(layers: int, head: bool) -> tuple:
         c = _compute(spec, lay, seq, layers, rates, head)
@@ -302,7 +301,7 @@ def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, effi
         tp = tp_bytes / nvlink
         if lay.tp_overlap and t > 1:
             tp = _tp_overlapped(spec, lay, tok, tp, n_ar, rates)
-        cp_bytes, ep_bytes = _cp_ep_bytes(spec, lay, tok, layers)
+        cp_bytes, ep_bytes = perf_ops.cp_ep_bytes(spec, lay, tok, layers)
         cp = cp_bytes / (nvlink if t * lay.cp <= gpus_per_node else network)
         ep = ep_bytes / (nvlink if gpus <= gpus_per_node else network)
         return c.matmul + c.memory + tp + pp + cp + ep, layers, c, tp, tp_bytes, cp, cp_bytes, ep, ep_bytes
@@ -319,7 +318,7 @@ def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, effi
                  gpus_per_node=gpus_per_node, inter_node_gbps=inter)
     d = lay.dp * lay.cp
     updated = params / (d if lay.zero else 1)
-    optimizer = OPTIMIZER_BYTES * updated / rates.hbm
+    optimizer = optimizer_bytes(lay.optimizer_states) * updated / rates.hbm
     step = pipeline + dp.exposed + optimizer
     tokens = lay.micro_batch * m * lay.dp * seq
     model, hardware = step_flops(spec, tokens, seq, lay.checkpointing, lay.flash, lay.selective)
@@ -332,21 +331,6 @@ def step_time(spec, lay: Layout, *, seq: int, gpu: str, gpus_per_node: int, effi
                                 **({"cp": int(m * cp_bytes)} if lay.cp > 1 else {}),
                                 **({"ep": int(m * ep_bytes)} if lay.ep > 1 else {})},
                     cp_s=m * cp, ep_s=m * ep, tokens_per_s_per_gpu=tokens / step / gpus, dp_total_s=dp.seconds)
-
-
-def _cp_ep_bytes(spec, lay: Layout, tok: int, layers: int) -> tuple[float, float]:
-    """Bytes one GPU sends per micro-batch for context and expert parallelism (bf16).
-
-    Ring attention (Liu et al. 2023): cp - 1 K/V blocks of tok x kv_heads x head_dim forward; the
-    backward passes K/V and their gradients around again (x3 in all). Expert all-to-all (GShard):
-    tok x k token copies of width h leave the GPU ((ep-1)/ep of them) for dispatch and come back for
-    combine, forward and backward (x4)."""
-    a = spec.arch
-    cp = 3 * layers * comm.hops("all_gather", lay.cp) * 2 * tok * a["kv_heads"] * a["head_dim"] * 2 / lay.tp \
-        if lay.cp > 1 else 0.0
-    copies = tok * a.get("top_k", 0) * a["hidden"] * 2  # bytes of this GPU's routed token copies
-    ep = 4 * layers * comm.bytes_sent("all_to_all", copies, lay.ep) if lay.ep > 1 else 0.0
-    return cp, ep
 
 
 @dataclass(frozen=True)
@@ -382,13 +366,20 @@ def budget(model, tokens: float, layout: Layout, gpus: int, price_per_gpu_hour: 
                           "positive and the price not negative")
     spec = model_spec(model) if isinstance(model, str) else model
     eff = efficiency or matmul_efficiency(gpu, layout.precision if layout.precision == "fp8" else
-                                          ("fp16" if gpu_family(gpu) == "v100" else "bf16"))
+                                          default_precision(gpu))
     t = step_time(spec, layout, seq=seq, gpu=gpu, gpus_per_node=gpus_per_node, efficiency=eff,
                   inter_node_gbps=inter_node_gbps)
-    per_step = layout.dp * layout.microbatches * layout.micro_batch * seq
-    steps = math.ceil(tokens / per_step)
+    return priced(t, tokens, layout.dp * layout.microbatches * layout.micro_batch * seq, gpus, price_per_gpu_hour,
+                  eff)
+
+
+def priced(t, tokens: float, tokens_per_step: int, gpus: int, price_per_gpu_hour: float,
+           efficiency: Efficiency) -> Budget:
+    """The `Budget` of `tokens` tokens at `t`'s step time (a `StepTime`, or a planner `Option`: step_s, mfu, hfu,
+    tflops_per_gpu), `tokens_per_step` a step."""
+    steps = math.ceil(tokens / tokens_per_step)
     seconds = steps * t.step_s
     hours = seconds / 3600 * gpus
     return Budget(tokens=tokens, gpus=gpus, steps=steps, step_s=t.step_s, days=seconds / 86400, gpu_hours=hours,
                   cost=hours * price_per_gpu_hour, mfu=t.mfu, hfu=t.hfu, tflops_per_gpu=t.tflops_per_gpu,
-                  efficiency=eff)
+                  efficiency=efficiency)

@@ -32,11 +32,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from labkit.parallel import comm
+
 #: Linears whose INPUT dimension tensor parallelism splits (Megatron's RowParallelLinear); the others split
 #: their output (ColumnParallelLinear).
 ROW_PARALLEL = frozenset({"o_proj", "proj", "down_proj", "fc2"})
 #: Sequence length at which a flash kernel reaches half its long-sequence efficiency (see the docstring).
 ATTENTION_S0 = 512
+#: One-way transfer times of a boundary activation on the critical path per micro-batch in DeepSpeed's pipeline
+#: engine (blocking send/recv with both neighbours every step, chained; bench/pipeline_p2p_sim.py replays its
+#: TrainSchedule: 4.0-4.4 for 4-35 stages, 2 for 2).
+DEEPSPEED_P2P_EXPOSED = 4
 #: FA2's backward runs 2.5 forwards' worth of matmuls (5 GEMMs to the forward's 2: it recomputes the scores).
 ATTENTION_BACKWARD = 2.5
 
@@ -160,16 +166,55 @@ def loss_bytes(spec, tp: int, eager: bool) -> float:
     return (28 if eager else 8) * spec.arch["vocab"] / tp
 
 
-def fp8_cast_bytes(spec, tok: int, tp: int) -> tuple[float, float]:
-    """(forward, backward) HBM bytes per token and layer of dynamic FP8 scaling (torchao's float8 linears,
-    Transformer Engine): each linear's input and, in the backward, its output gradient are read in bf16 and
-    written in fp8 twice (row- and column-major: Hopper's FP8 GEMMs need both layouts), 4 B per element; the
-    weight the same once per micro-batch, spread over its `tok` tokens."""
+def fp8_cast_bytes(spec, tok: int, tp: int, fused: bool = False) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per token and layer of dynamic FP8 scaling (torchao's float8 linears):
+    each linear's input and, in the backward, its output gradient are read in bf16 and written in fp8 twice
+    (row- and column-major: Hopper's FP8 GEMMs need both layouts), 4 B per element; the weight the same once per
+    micro-batch, spread over its `tok` tokens. `fused` (Transformer Engine: LayerNormLinear, the fused
+    cast-transpose in the activation's epilogue): the kernel that produced the input writes the two fp8 copies,
+    no separate bf16 read -- 2 B per element."""
+    per = 2 if fused else 4
     fwd = bwd = 0.0
     for _, count, m, n, k in linear_shapes(spec, 1, tp):  # m: tokens this GEMM sees per token (MoE: top_k / E)
-        fwd += count * (4 * m * k + 4 * k * n / tok)
-        bwd += count * 4 * m * n
+        fwd += count * (per * m * k + 4 * k * n / tok)
+        bwd += count * per * m * n
     return fwd, bwd
+
+
+def pp_cost(lay, act: float, gpus: int, gpus_per_node: int, nvlink: float, network: float
+             ) -> tuple[float, float]:
+    """(bytes sent, exposed seconds) of the pipeline's point-to-point traffic per micro-batch and GPU (`lay`: a
+    perf_model.Layout).
+
+    Each tensor-parallel rank sends 1/tp of the boundary activation (the receiving node all-gathers it on NVLink:
+    Megatron's scatter/gather, Narayanan et al. 2021 Sec. 4.1; DeepSpeed's partitioned activations and
+    gradients), once forward and once backward per model chunk (x interleave, Sec. 2.2.2). Megatron exchanges
+    with one neighbour at a time (send_forward_recv_backward): both transfers are exposed. DeepSpeed's pipeline
+    engine waits on blocking rendezvous with both neighbours every step, which chain through the pipeline:
+    replaying its TrainSchedule, 4 one-way transfer times per micro-batch reach the critical path
+    (`bench/pipeline_p2p_sim.py`), twice the two it sends."""
+    if lay.pp == 1:
+        return 0.0, 0.0
+    crosses = gpus > gpus_per_node and lay.tp * lay.cp * lay.dp >= gpus_per_node  # stages tp*cp*dp ranks apart
+    bw = network if crosses else nvlink
+    sent = 2 * lay.interleave * comm.bytes_sent("send_recv", act / lay.tp, 2)
+    exposed = DEEPSPEED_P2P_EXPOSED / 2 if lay.pipeline_engine == "deepspeed" else 1.0
+    return sent, exposed * sent / bw
+
+
+def cp_ep_bytes(spec, lay, tok: int, layers: int) -> tuple[float, float]:
+    """Bytes one GPU sends per micro-batch for context and expert parallelism (bf16; `lay` a perf_model.Layout).
+
+    Ring attention (Liu et al. 2023): cp - 1 K/V blocks of tok x kv_heads x head_dim forward; the
+    backward passes K/V and their gradients around again (x3 in all). Expert all-to-all (GShard):
+    tok x k token copies of width h leave the GPU ((ep-1)/ep of them) for dispatch and come back for
+    combine, forward and backward (x4)."""
+    a = spec.arch
+    cp = 3 * layers * comm.hops("all_gather", lay.cp) * 2 * tok * a["kv_heads"] * a["head_dim"] * 2 / lay.tp \
+        if lay.cp > 1 else 0.0
+    copies = tok * a.get("top_k", 0) * a["hidden"] * 2  # bytes of this GPU's routed token copies
+    ep = 4 * layers * comm.bytes_sent("all_to_all", copies, lay.ep) if lay.ep > 1 else 0.0
+    return cp, ep
 
 
 # ----------------------------------------------------------------------------- FLOPs, as the papers count them

@@ -25,11 +25,14 @@ Introduced in notebook 07_model_parallel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from labkit.errors import ConfigError, choices_error
 from labkit.parallel import hardware, perf_model
-from labkit.parallel.dims import ParallelDims
+from labkit.parallel.dims import ParallelDims  # noqa: F401
+from labkit.parallel.plan_checks import (MICRO_BATCH_SIZES, RELIEF, check_layout, layout_dims,  # noqa: F401
+                                         no_micro_batching, overflow)
 from labkit.parallel.perf_model import GPUS, Budget, Efficiency, GpuSpec, budget  # noqa: F401 (re-exported)
 
 #: Share of HBM the plan may fill: the rest is the CUDA context (~0.5-1 GB), NCCL's buffers (~1-2 GB) and
@@ -37,9 +40,6 @@ from labkit.parallel.perf_model import GPUS, Budget, Efficiency, GpuSpec, budget
 #: fragmentation of a steady training loop stays small, and tuned production runs fill their GPUs (Llama 3
 #: 405B trained 8K sequences without recomputation on 80 GB H100s: Dubey et al. 2024 Sec. 3.3.2).
 USABLE = 0.95
-MICRO_BATCH_SIZES = (1, 2, 4, 8)
-#: From this sequence length on, the plan also splits sequences (context parallelism, ring attention).
-LONG_SEQUENCE = 16384
 
 
 @dataclass(frozen=True)
@@ -76,11 +76,21 @@ class PlanRequest:
     fused_kernels: bool = True
     """Fused norm / SwiGLU kernels (Megatron, Meta, torch.compile): their activation memory and HBM traffic;
     False = Hugging Face's eager modules (more saved activations, one kernel per elementwise op)."""
+    stack: str = "megatron"
+    """Software stack (`hardware.STACKS`): megatron (Megatron-Core/NeMo, fused TE kernels), torch-compile, eager."""
+    attention: str = ""
+    """Attention kernel (`hardware.ATTENTION_KERNELS`): fa2, sdpa, fa3 (or cuDNN, Hopper+), triton, eager;
+    '' = the GPU's default (`hardware.default_attention`: fa2 from the A100 on, sdpa before)."""
+    tp_overlap: bool = False
+    """TP collectives overlapped with the GEMMs beside them (Megatron's --tp-comm-overlap, torchtitan's AsyncTP)."""
+    optimizer_states: str = "fp32"
+    """Adam's moments in fp32 or bf16 (memory and the optimizer step's bytes)."""
     efficiency: Efficiency | None = None
     """Filled in (`labkit.parallel.hardware.matmul_efficiency`): value and source."""
 
     def __post_init__(self) -> None:
         spec = model_spec_of(self.model)
+        self.__dict__["model_spec"] = spec  # the cached_property's slot: resolved once
         for name in ("gpus", "gpus_per_node", "batch", "seq", "interleave"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -97,6 +107,15 @@ class PlanRequest:
             object.__setattr__(self, "seq", min(spec.arch["max_seq"], 2048))
         if self.checkpointing not in ("full", "selective", "none"):
             raise choices_error("checkpointing", self.checkpointing, ("full", "selective", "none"))
+        for name, allowed in (("stack", hardware.STACKS), ("attention", ("",) + tuple(hardware.ATTENTION_KERNELS)),
+                              ("optimizer_states", hardware.OPTIMIZER_STATES)):
+            if getattr(self, name) not in allowed:
+                raise choices_error(name, getattr(self, name), allowed)
+        if self.attention == "eager":
+            object.__setattr__(self, "flash", False)
+        object.__setattr__(self, "attention", self.attention or hardware.default_attention(self.gpu))
+        if self.flash:
+            hardware.attention_efficiency(self.gpu, self.attention)  # ConfigError: a kernel this GPU cannot run
         precision = hardware.default_precision(self.gpu) if self.precision == "bf16" else self.precision
         object.__setattr__(self, "efficiency", hardware.matmul_efficiency(
             self.gpu, precision, override=self.matmul_efficiency, measured=self.measured))
@@ -105,8 +124,9 @@ class PlanRequest:
     def spec(self) -> GpuSpec:
         return hardware.gpu_spec(self.gpu)
 
-    @property
+    @functools.cached_property
     def model_spec(self):
+        """Resolved once per request (the search asks for it for every layout)."""
         return model_spec_of(self.model)
 
     @property
@@ -162,6 +182,8 @@ class Option:
     dp_comm_s: float = 0.0
     """All data-parallel communication per step, hidden or not (`comm_s['dp']` is the exposed part)."""
     interleave: int = 1
+    overflow: str = ""
+    """Why it does not fit: the estimate against the usable memory and its largest term ('' when it fits)."""
 
     @property
     def dims(self) -> ParallelDims:
@@ -176,43 +198,6 @@ class Option:
         return {**dataclasses.asdict(self), "layout": self.layout, "memory_gb": round(self.memory_bytes / 1e9, 2)}
 
 
-def layout_dims(dp: int, tp: int, pp: int, zero: int = 0, *, cp: int = 1, ep: int = 1) -> ParallelDims:
-    """The ParallelDims of a layout: with ZeRO the dp ranks shard (dp_shard), without it they replicate."""
-    return ParallelDims(dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1, tp=tp, pp=pp, cp=cp, ep=ep)
-
-
-def check_layout(req: PlanRequest, dp: int, tp: int, pp: int, zero: int = 0, *, cp: int = 1, ep: int = 1) -> None:
-    """ConfigError naming why (dp, tp, pp, zero, cp, ep) cannot run `req`; returns None when it can."""
-    # "tp(8) * pp(8) * dp(8) = 512 != gpus(64)"
-    layout_dims(dp, tp, pp, zero, cp=cp).check_world(req.gpus, label="gpus")
-    arch = req.model_spec.arch
-    if req.seq % cp:
-        raise ConfigError(f"cp={cp} does not split seq={req.seq} into equal chunks; use a cp that divides it")
-    experts = arch.get("experts", 0)
-    if ep > 1 and (not experts or dp % ep or experts % ep):
-        raise ConfigError(f"ep={ep} must divide dp={dp} and the {experts} experts of {req.model} "
-                          "(expert parallelism splits the experts over data-parallel ranks)")
-    if tp > req.gpus_per_node:
-        raise ConfigError(f"tp={tp} > {req.gpus_per_node} GPUs per node: a tensor-parallel group all-reduces "
-                          "inside every layer and must sit on one node's NVLink; use tp <= "
-                          f"{req.gpus_per_node} and put the rest into pp or dp")
-    for key in ("heads", "kv_heads"):
-        if arch[key] % tp:
-            raise ConfigError(f"tp={tp} does not divide the model's {arch[key]} {key.replace('_', ' ')}: "
-                              "every rank needs whole heads")
-    if pp > arch["layers"]:
-        raise ConfigError(f"pp={pp} > {arch['layers']} layers: every stage needs at least one layer")
-    v = req.interleave if pp > 1 else 1
-    if v > 1 and arch["layers"] % (pp * v) and (arch["layers"] + 2) % (pp * v):
-        raise ConfigError(f"interleave={v} x pp={pp} does not divide the {arch['layers']} layers into equal "
-                          "chunks (nor layers + 2, an embedding-only first and an output-only last chunk as in "
-                          "Llama 3); choose an interleave that does")
-    if dp == 1 and zero:
-        raise ConfigError(f"zero={zero} with dp=1 shards over one rank and saves nothing; use zero 0")
-    if req.batch % dp:
-        raise ConfigError(f"global batch {req.batch} does not split over dp={dp}; use a multiple of {dp}")
-
-
 def layout_of(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch: int, *, cp: int = 1,
               ep: int = 1) -> perf_model.Layout:
     """The time model's `Layout` of one layout of `req` (its switches: interleave, flash, SP, precision...)."""
@@ -220,13 +205,20 @@ def layout_of(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batc
                              checkpointing=req.checkpointing, zero=zero, sequence_parallel=req.sequence_parallel and tp > 1,
                              interleave=req.interleave if pp > 1 else 1, flash=req.flash, cp=cp, ep=ep,
                              fsdp=req.fsdp, precision=req.precision, fused_kernels=req.fused_kernels,
-                             eager=not req.fused_kernels)
+                             eager=not req.fused_kernels, stack=req.stack,
+                             attention=req.attention if req.flash else "eager", tp_overlap=req.tp_overlap and tp > 1,
+                             optimizer_states=req.optimizer_states)
 
 
 def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch: int, *,
-             cp: int = 1, ep: int = 1) -> Option:
-    """Memory (estimator) and step time (`labkit.parallel.perf_model`) of one valid layout."""
+             cp: int | None = None, ep: int = 1) -> Option:
+    """Memory (estimator) and step time (`labkit.parallel.perf_model`) of one valid layout. `cp` defaults to what
+    the GPU count leaves, gpus / (dp tp pp) (1 when they already multiply to it), so a row of the plan's table
+    given by its dp, tp, pp, zero and micro-batch is that row."""
     from labkit.memory.estimate import MemoryConfig, estimate
+
+    if cp is None:
+        cp = req.gpus // (dp * tp * pp) if req.gpus % (dp * tp * pp) == 0 else 1
 
     per_replica = req.batch // dp
     m = per_replica // micro_batch
@@ -234,10 +226,10 @@ def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch
     cfg = MemoryConfig(model=req.model, precision="mixed-bf16", zero=zero, dp=dp, tp=tp, pp=pp, gpus=req.gpus,
                        batch=per_replica, grad_accum=m, seq=req.seq, checkpointing=req.checkpointing,
                        sequence_parallel=sp, cp=cp, ep=ep, flash_attention=req.flash,
-                       fused_kernels=req.fused_kernels)
+                       fused_kernels=req.fused_kernels, optimizer_states=req.optimizer_states)
     est = estimate(cfg)
     spec = req.model_spec
-    share = est.weights / 2 / spec.params * (dp if zero == 3 else 1)  # weights are 2 B/param before ZeRO-3
+    share = est.weights / 2 / spec.params * (dp * cp if zero == 3 else 1)  # weights are 2 B/param before ZeRO-3
     lay = layout_of(req, dp, tp, pp, zero, micro_batch, cp=cp, ep=ep)
     t = perf_model.step_time(spec, lay, seq=req.seq, gpu=req.gpu, gpus_per_node=req.gpus_per_node,
                              efficiency=req.efficiency, params_on_gpu=share * spec.params,
@@ -246,6 +238,7 @@ def evaluate(req: PlanRequest, dp: int, tp: int, pp: int, zero: int, micro_batch
             **({"ep": t.ep_s} if ep > 1 else {})}
     return Option(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m, micro_batch=micro_batch,
                   memory_bytes=est.total, fits=est.total <= req.capacity_bytes, bubble=round(t.bubble, 4),
+                  overflow=overflow(est, req.capacity_bytes, req.optimizer_states),
                   comm_s={k: round(v, 4) for k, v in comm.items()}, comm_bytes=t.comm_bytes,
                   compute_s=round(t.matmul_s + t.nonmatmul_s, 4), step_s=round(t.step_s, 4), mfu=round(t.mfu, 4),
                   hfu=round(t.hfu, 4), tflops_per_gpu=round(t.tflops_per_gpu, 1), cp=cp, ep=ep,
@@ -257,7 +250,9 @@ def assumption(req: PlanRequest) -> dict:
     """The matmul efficiency a plan assumed and its source (JSON and text output)."""
     return {"matmul_efficiency": req.efficiency.value, "source": req.efficiency.source,
             "peak_tflops": req.spec.fp8_tflops if req.precision == "fp8" else req.spec.peak_tflops,
-            "precision": req.precision, "attention_efficiency": hardware.attention_efficiency(req.gpu),
+            "precision": req.precision, "stack": req.stack, "attention": req.attention if req.flash else "eager",
+            "attention_efficiency": hardware.attention_efficiency(req.gpu, req.attention if req.flash else "sdpa"),
+            "tp_overlap": req.tp_overlap, "optimizer_states": req.optimizer_states,
             "comm_efficiency": hardware.comm_efficiency("nvlink"),
             "network_efficiency": hardware.comm_efficiency("network"),
             "inter_node_gbps": req.inter_node_gbps or req.spec.inter_node_gbps}
@@ -285,8 +280,9 @@ class Plan:
 
 
 def _cp_degrees(req: PlanRequest, rest: int) -> list[int]:
-    """Context-parallel degrees to try: only for long sequences (activations grow with seq)."""
-    return [c for c in _divisors(rest) if c == 1 or (req.seq >= LONG_SEQUENCE and req.seq % c == 0)]
+    """Context-parallel degrees to try: every divisor of the GPUs left that splits the sequence evenly (NVIDIA's
+    Llama 3 70B recipe runs cp=2 at 8K tokens; the others are rejected with the reason by `check_layout`)."""
+    return _divisors(rest)
 
 
 def _ep_degrees(req: PlanRequest, dp: int) -> list[int]:
@@ -297,7 +293,8 @@ def _ep_degrees(req: PlanRequest, dp: int) -> list[int]:
 
 def plan(req: PlanRequest) -> Plan:
     """Enumerate (dp, tp, pp[, cp, ep]) with dp*tp*pp*cp = gpus, ZeRO stages and micro-batch sizes;
-    rank what fits. cp is tried for sequences >= LONG_SEQUENCE, ep for models with experts."""
+    rank what fits. cp is tried wherever it splits the sequence, ep for models with experts. A layout with no
+    valid micro-batching is kept in `rejected` with the reason, like one `check_layout` refuses."""
     options, rejected = [], []
     for tp in _divisors(req.gpus):
         for pp in _divisors(req.gpus // tp):
@@ -308,8 +305,10 @@ def plan(req: PlanRequest) -> Plan:
                 except ConfigError as exc:
                     rejected.append((dp, tp, pp, str(exc)))
                     continue
-                for ep in _ep_degrees(req, dp):
-                    options += _options(req, dp, tp, pp, cp, ep)
+                found = [o for ep in _ep_degrees(req, dp) for o in _options(req, dp, tp, pp, cp, ep)]
+                if not found:
+                    rejected.append((dp, tp, pp, no_micro_batching(req, dp, pp, cp)))
+                options += found
     options.sort(key=lambda o: (o.step_s, o.memory_bytes))
     return Plan(req, [o for o in options if o.fits], [o for o in options if not o.fits], rejected)
 
@@ -346,6 +345,8 @@ def format_plan(p: Plan, top: int = 10) -> str:
     lines.append(format_assumption(r))
     lines.append(f"{len(p.fits)} layout(s) fit, {len(p.too_big)} exceed {r.capacity_bytes / 1e9:.0f} GB, "
                  f"{len(p.rejected)} rejected:")
+    for o in p.too_big[:3]:  # the fastest that do not fit, and which term fills the GPU
+        lines.append(f"  {o.layout} (micro-batch {o.micro_batch}) does not fit: {o.overflow}")
     for dp, tp, pp, reason in p.rejected[:8]:
         lines.append(f"  dp={dp} tp={tp} pp={pp}: {reason}")
     if len(p.rejected) > 8:
@@ -355,8 +356,16 @@ def format_plan(p: Plan, top: int = 10) -> str:
 
 def format_assumption(req: PlanRequest) -> str:
     e, a = req.efficiency, assumption(req)
-    return (f"assumes {req.precision} matmuls at {e.value:.0%} of the {a['peak_tflops']:.0f} TFLOPS peak "
-            f"({e.source}) plus their HBM traffic, flash attention at {a['attention_efficiency']:.0%}; NCCL at {a['comm_efficiency']:.0%} of NVLink and {a['network_efficiency']:.0%} of "
-            f"{a['inter_node_gbps']:g} Gb/s per GPU between nodes; checkpointing {req.checkpointing}" + ("" if req.flash else ", no flash attention")
+    precision = hardware.default_precision(req.gpu) if req.precision == "bf16" else req.precision
+    stack = hardware.stack_efficiency(req.gpu, req.stack)
+    return (f"assumes {precision} matmuls at {e.value:.0%} of the {a['peak_tflops']:.0f} TFLOPS peak "
+            f"({e.source}) plus their HBM traffic"
+            + (f", x {stack:.2f} for the {req.stack} stack" if req.stack != "megatron" else "")
+            + (f", {req.attention} attention at {a['attention_efficiency']:.0%}" if req.flash else
+               ", unfused attention")
+            + f"; NCCL at {a['comm_efficiency']:.0%} of NVLink and {a['network_efficiency']:.0%} of "
+            f"{a['inter_node_gbps']:g} Gb/s per GPU between nodes; checkpointing {req.checkpointing}"
             + ("" if req.sequence_parallel else ", no sequence parallelism")
-            + (f", interleave {req.interleave}" if req.interleave > 1 else ""))
+            + (f", interleave {req.interleave}" if req.interleave > 1 else "")
+            + (", TP overlapped" if req.tp_overlap else "")
+            + (f", Adam moments in {req.optimizer_states}" if req.optimizer_states != "fp32" else ""))

@@ -24,7 +24,7 @@ DATA = "published_runs.json"
 METRICS = ("tokens_per_s_per_gpu", "iteration_s", "mfu", "hfu", "tflops_per_gpu")
 LAYOUT_FIELDS = ("checkpointing", "zero", "sequence_parallel", "interleave", "flash", "fsdp", "shard_group",
                  "dp_overlap", "precision", "fused_kernels", "cp", "eager", "selective", "reduce_fp32", "tp_overlap",
-                 "pipeline_engine", "pp_partition")
+                 "pipeline_engine", "pp_partition", "stack", "attention", "optimizer_states")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,8 @@ class PublishedRun:
     hardware: str = ""
     miss: str = ""
     """Why a counted row the model misses by more than 20 % is missed (printed by bench/planner_heldout.py)."""
+    fused_loss: bool = False
+    """The run's cross-entropy is a fused kernel (memory only: `labkit.memory.activations.Step.fused_loss`)."""
 
     @classmethod
     def from_dict(cls, row: dict) -> "PublishedRun":
@@ -181,5 +183,47 @@ def memory(run: PublishedRun):
     cfg = MemoryConfig(model=run.id, precision="mixed-bf16", zero=lay.zero, dp=run.dp, tp=run.tp, pp=run.pp,
                        cp=lay.cp, batch=run.batch // run.dp, grad_accum=lay.microbatches, seq=run.seq,
                        checkpointing=lay.checkpointing, flash_attention=lay.flash,
-                       sequence_parallel=lay.sequence_parallel and run.tp > 1, fused_kernels=lay.fused_kernels)
+                       sequence_parallel=lay.sequence_parallel and run.tp > 1, fused_kernels=lay.fused_kernels,
+                       optimizer_states=lay.optimizer_states, fused_loss=run.fused_loss)
     return estimate(cfg, spec=run.spec())
+
+
+def hf_config(run: PublishedRun) -> dict:
+    """The row's model as a Hugging Face config (what `labkit plan --model config.json` reads): its own `config`,
+    or GPT-2 fields for a row given as hidden / heads / layers / vocab / ffn."""
+    if run.config:
+        return dict(run.config)
+    return {"model_type": "gpt2", "n_embd": run.hidden, "n_layer": run.layers, "n_head": run.heads,
+            "n_inner": run.ffn or 4 * run.hidden, "vocab_size": run.vocab, "n_positions": run.seq}
+
+
+def search_rank(run: PublishedRun, folder) -> dict:
+    """Where the best-layout search puts the row's layout: `labkit plan` with the row's model, GPUs, batch,
+    sequence and software (`folder` receives the model's config.json). `rank` is the row's (dp, tp, pp, cp,
+    ZeRO) among the layouts that fit, fastest first (its best micro-batch; None: not found among the fits, then
+    `dropped` says why); `order` every fitting (dp, tp, pp, cp, zero) in that order; `top` the three fastest."""
+    from pathlib import Path
+
+    from labkit.parallel import planner
+
+    lay = run.layout()
+    path = Path(folder) / f"{run.id}.json"
+    path.write_text(json.dumps(hf_config(run)))
+    req = planner.PlanRequest(model=str(path), gpus=run.gpus, gpus_per_node=run.gpus_per_node, gpu=run.gpu,
+                              batch=run.batch, seq=run.seq, checkpointing=lay.checkpointing,
+                              interleave=lay.interleave, flash=lay.flash, sequence_parallel=lay.sequence_parallel,
+                              precision=lay.precision, fsdp=lay.fsdp, fused_kernels=lay.fused_kernels,
+                              stack=lay.stack, attention=lay.attention if lay.flash else "eager",
+                              tp_overlap=lay.tp_overlap, optimizer_states=lay.optimizer_states,
+                              inter_node_gbps=run.inter_node_gbps)
+    p = planner.plan(req)
+    key = (run.dp, run.tp, run.pp, lay.cp, lay.zero)
+    layouts = list(dict.fromkeys((o.dp, o.tp, o.pp, o.cp, o.zero) for o in p.fits))  # fastest micro-batch first
+    mine = [o for o in p.fits + p.too_big if (o.dp, o.tp, o.pp, o.cp, o.zero) == key]
+    return {"id": run.id, "rank": layouts.index(key) + 1 if key in layouts else None, "layouts": len(layouts),
+            "order": layouts,
+            "top": [o.layout + f" {o.tokens_per_s_per_gpu:.0f} tok/s/GPU"
+                    for o in [next(o for o in p.fits if (o.dp, o.tp, o.pp, o.cp, o.zero) == k) for k in layouts[:3]]],
+            "published": mine[0].layout + f" {mine[0].tokens_per_s_per_gpu:.0f} tok/s/GPU" if mine else None,
+            "dropped": (mine[0].overflow if mine and not mine[0].fits else
+                        next((r for d, t, pp, r in p.rejected if (d, t, pp) == key[:3]), "") if not mine else "")}
