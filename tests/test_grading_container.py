@@ -146,7 +146,11 @@ def test_honest_work_scores_as_unconfined_and_unattempted_or_tampered_work_nothi
     assert honest["extra_data"]["status"] == "graded", honest["output"]
     assert honest["score"] == 25 and sum(t["max_score"] for t in honest["tests"]) == 25, honest["output"]
     assert unattempted["score"] == 0, unattempted["output"]
-    assert tricks["score"] == 0, tricks["output"]
+    # the tricks earn no code test (test_grading_hostile's `all_tricks` unconfined: 0/12 and 0/6); the notebook
+    # cells that ran before its last cell killed the kernel keep their recorded checks' partial credit, as there
+    code = [t for t in tricks["tests"] if t["name"].startswith(("model_state_bytes:", "measure_state_bytes:"))]
+    assert len(code) > 2 and all(t["score"] == 0 for t in code), tricks["output"]
+    assert "code: model_state_bytes 0/12; measure_state_bytes 0/6" in tricks["output"], tricks["output"]
     assert "FORGED" not in json.dumps(tricks)
 
 
