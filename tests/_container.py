@@ -75,6 +75,9 @@ def build_image(show: list[Path], cover: list[Path], user: unprivileged.User) ->
                         if a != Path("/") and not unprivileged._allows(a.stat(), user, 1)), None)
         if blocked is not None:
             _cover(blocked, [p for p in show if blocked in p.parents], stage)
+    if mountns._libc.umount2(str(stage).encode(), 2) != 0:  # MNT_DETACH; then the folder leaves the host's /tmp
+        raise OSError(ctypes.get_errno(), f"umount2({stage})")
+    stage.rmdir()
 
 
 def docker_seccomp() -> None:
