@@ -104,12 +104,17 @@ def _unpack(base: Path, zip_path: Path, name: str, nb) -> Path:
     return root
 
 
-def _in_container(root: Path) -> subprocess.CompletedProcess:
+def _container(*argv: str) -> list[str]:
+    """`argv` run in the rehearsed container (tests/_container.py), the checkout reduced to the installed labkit."""
     shown = [*isolation.runtime_paths("labkit"), ROOT / "requirements"]
-    cmd = ["unshare", "--mount", "--propagation", "private", "--", sys.executable, str(ROOT / "tests" / "_container.py"),
-           *[f"--show={p}" for p in shown], f"--cover={ROOT}", "--", str(root / "run_autograder")]
+    return ["unshare", "--mount", "--propagation", "private", "--", sys.executable, str(ROOT / "tests" / "_container.py"),
+            *[f"--show={p}" for p in shown], f"--cover={ROOT}", "--", *argv]
+
+
+def _in_container(root: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, gradescope.ROOT_ENV: str(root), "LABKIT_AUTOGRADER_PYTHON": sys.executable}
-    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(_container(str(root / "run_autograder")), cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -165,3 +170,28 @@ def test_the_students_code_cannot_read_a_hidden_test(rehearsed):
     for name, (res, out) in rehearsed.items():
         text = json.dumps(res) + out
         assert not [m for m in _hostile.HIDDEN_MARKERS if m in text], name
+
+
+def test_labkit_grade_execute_falls_back_too_and_first_makes_the_grader_files_its_own(tmp_path):
+    """`labkit grade --execute` as root where no namespace can be made (an HPC node without user namespaces, the
+    same container): the same level; it refuses, in one line, while the student's user could read the
+    submissions, then grades once they are the grader's, --out made 0700 before any sandbox starts."""
+    base = Path(tempfile.mkdtemp(prefix="labkit-grade-rehearsal-"))
+    os.chmod(base, 0o755)
+    try:
+        subs, out = base / "subs", base / "out"
+        (subs / "ann").mkdir(parents=True)
+        os.chmod(subs, 0o755)
+        nbformat.write(_hostile._submission({}), subs / "ann" / f"{NOTEBOOK}.ipynb")  # the parameters cell only
+        grade = _container(str(Path(sys.executable).with_name("labkit")), "grade", str(subs), "--out", str(out),
+                           "--execute", "--notebook", NOTEBOOK, "--timeout", "300")
+        refused = subprocess.run(grade, capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
+        assert f"can read {subs}" in refused.stderr and f"chmod go-rwx '{subs}'" in refused.stderr, refused.stderr
+        os.chmod(subs, 0o700)
+        graded = subprocess.run(grade, capture_output=True, text=True, timeout=600)
+        assert graded.returncode == 0, graded.stdout[-2000:] + graded.stderr[-2000:]
+        assert f"isolation: {unprivileged.LEVEL} (runs as " in graded.stdout
+        assert (out / "grades.csv").is_file() and (out.stat().st_mode & 0o777) == 0o700
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

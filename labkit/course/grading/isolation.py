@@ -158,15 +158,21 @@ def command(iso: Isolation, view: View, argv: list[str], tasks: int = 0) -> list
     if iso.level == MOUNT_NS:
         return unshare_command(view, argv)
     if iso.level == UNPRIVILEGED:
-        user = unprivileged.sandbox_user()
-        if user is None:
-            raise GradingError(f"isolation {UNPRIVILEGED}: none of the users {', '.join(unprivileged.SANDBOX_USERS)} "
-                               "exists any more; create one (`useradd --system labkit-student`)")
-        seen = unprivileged.exposed(view.private, user)
-        if seen:
-            raise GradingError(unprivileged.exposed_message(seen, user))
-        return unprivileged.command(user, argv, tasks)
+        return unprivileged.command(guard_private(view.private), argv, tasks)
     return [*(() if view.network else _unshare_prefix()[0]), *argv]
+
+
+def guard_private(paths) -> unprivileged.User:
+    """At level unprivileged-user: the student's user, after checking it can open none of `paths` (what its
+    sandbox must not see); GradingError naming them and the fix otherwise."""
+    user = unprivileged.sandbox_user()
+    if user is None:
+        raise GradingError(f"isolation {UNPRIVILEGED}: none of the users {', '.join(unprivileged.SANDBOX_USERS)} "
+                           "exists any more; create one (`useradd --system labkit-student`)")
+    seen = unprivileged.exposed(paths, user)
+    if seen:
+        raise GradingError(unprivileged.exposed_message(seen, user))
+    return user
 
 
 def scratch_dir(iso: Isolation, work: Path) -> Path:
