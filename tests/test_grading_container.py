@@ -175,7 +175,8 @@ def test_the_students_code_cannot_read_a_hidden_test(rehearsed):
 def test_labkit_grade_execute_falls_back_too_and_first_makes_the_grader_files_its_own(tmp_path):
     """`labkit grade --execute` as root where no namespace can be made (an HPC node without user namespaces, the
     same container): the same level; it refuses, in one line, while the student's user could read the
-    submissions, then grades once they are the grader's, --out made 0700 before any sandbox starts."""
+    submissions, and two sandboxes at once (the same user: they could reach each other's scratch), then grades
+    once the submissions are the grader's, --out made 0700 before any sandbox starts."""
     base = Path(tempfile.mkdtemp(prefix="labkit-grade-rehearsal-"))
     os.chmod(base, 0o755)
     try:
@@ -189,6 +190,8 @@ def test_labkit_grade_execute_falls_back_too_and_first_makes_the_grader_files_it
         assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
         assert f"can read {subs}" in refused.stderr and f"chmod go-rwx '{subs}'" in refused.stderr, refused.stderr
         os.chmod(subs, 0o700)
+        crowded = subprocess.run([*grade, "--workers", "2"], capture_output=True, text=True, timeout=300)
+        assert crowded.returncode == 2 and "use --workers 1" in crowded.stderr, crowded.stderr[-2000:]
         graded = subprocess.run(grade, capture_output=True, text=True, timeout=600)
         assert graded.returncode == 0, graded.stdout[-2000:] + graded.stderr[-2000:]
         assert f"isolation: {unprivileged.LEVEL} (runs as " in graded.stdout

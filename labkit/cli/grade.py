@@ -25,7 +25,7 @@ from labkit.course.grading.batch import (GradeOptions, code_plan, find_submissio
 from labkit.course.grading.evaluate import Grade
 from labkit.course.grading.registry import load_file
 from labkit.course.grading.sandbox import Limits
-from labkit.errors import GradingError
+from labkit.errors import ConfigError, GradingError
 from labkit.profiles import get_profile
 from labkit.results import format_table
 
@@ -116,6 +116,10 @@ def _private_to_grader(opts: GradeOptions, submissions: Path, out: Path) -> None
     iso = isolation.detect(opts.limits.network)
     if iso.level != isolation.UNPRIVILEGED:
         return
+    if opts.workers > 1:
+        raise ConfigError(f"--workers {opts.workers} at isolation {iso.level}: every sandbox runs as the same user "
+                          "here, so two at once could reach each other's files; use --workers 1 (or grade where "
+                          "bubblewrap can start)")
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
     isolation.guard_private(private_paths(opts, submissions, out))
 

@@ -20,7 +20,9 @@ What it does NOT cut (say so wherever the level is named):
   the list of processes in /proc (their command lines; never another user's files, environment or descriptors);
 - the scratch's total size: a directory on disk, not a size-capped tmpfs; RLIMIT_FSIZE caps each file;
 - processes that leave the tree by a double fork, where no cgroup is writable (Docker mounts /sys/fs/cgroup
-  read-only): they end with the container, or with the last sandbox of this grader (`sweep`).
+  read-only): they end with the container, or with the sandbox (`sweep`);
+- two sandboxes at once: both run as the same user and could reach each other's scratch, so `labkit grade`
+  grades one submission at a time at this level (--workers 1), as run_autograder always does.
 """
 from __future__ import annotations
 
@@ -140,19 +142,20 @@ def make_scratch(user: User) -> Path:
 
 def remove_scratch(path: Path) -> None:
     """Remove a scratch the sandbox wrote (as root: whatever modes the student's code set inside). The last
-    sandbox of this grader to end also ends what its user left running, when that user is labkit's own
-    (never `nobody`'s processes: other services may run as nobody)."""
+    sandbox of this grader to end also ends what its user left running (`sweep`)."""
     with _lock:
         user = _open.pop(path, None)
-        last = user is not None and user.name == SANDBOX_USERS[0] and user not in _open.values()
+        last = user is not None and user not in _open.values()
     if last:
         sweep(user)
     shutil.rmtree(path, ignore_errors=True)
 
 
 def sweep(user: User) -> int:
-    """SIGKILL every process of `user` (those that left a sandbox's tree by a double fork). Call only when no
-    sandbox of this grader runs; returns how many were killed."""
+    """SIGKILL what sandboxes left running as `user` (a double fork leaves the tree; without a writable cgroup
+    nothing else finds it): every process of labkit-student, and those of another user (`nobody` may run other
+    services) whose environment names a sandbox's scratch (a process that rewrote its environment escapes
+    this: create labkit-student). Call only when no sandbox of this grader runs; returns how many."""
     import signal
 
     import psutil
@@ -160,9 +163,12 @@ def sweep(user: User) -> int:
     killed = 0
     for p in psutil.process_iter(["uids"]):
         try:
-            if p.info["uids"] and p.info["uids"].real == user.uid:
-                p.send_signal(signal.SIGKILL)
-                killed += 1
+            if not p.info["uids"] or p.info["uids"].real != user.uid:
+                continue
+            if user.name != SANDBOX_USERS[0] and not any("labkit-sandbox-" in v for v in p.environ().values()):
+                continue
+            p.send_signal(signal.SIGKILL)
+            killed += 1
         except psutil.Error:
             pass
     return killed
