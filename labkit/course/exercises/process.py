@@ -72,7 +72,7 @@ def launch(module: str, work: Path, *, extra: list[str], pass_fds: tuple[int, ..
     if isolation is None:
         scratch = work / "scratch"
         scratch.mkdir(exist_ok=True)
-    else:  # unprivileged-user: the student's user's own directory, removed with the box
+    else:  # at level unprivileged-user a directory of the student's user elsewhere, removed with the box
         scratch = iso_mod.scratch_dir(isolation, work)
     box = confine.detect().box(memory_bytes) if isolation is not None else confine.unconfined(memory_bytes)
     if isolation is not None and isolation.level == iso_mod.UNPRIVILEGED:

@@ -289,8 +289,7 @@ def _unprivileged_level(network: bool, why: str) -> Isolation | str:
     if user is None or not shutil.which("setpriv"):
         return (f"{UNPRIVILEGED} needs util-linux's setpriv and one of the users "
                 f"{', '.join(unprivileged.SANDBOX_USERS)} (`useradd --system labkit-student`)")
-    needed = [sys.executable, *runtime_paths("labkit"), *labkit_path().split(os.pathsep)]
-    closed = unprivileged.closed([p for p in needed if p], user)
+    closed = unprivileged.closed([sys.executable, *runtime_paths("labkit"), labkit_path().split(os.pathsep)[0]], user)
     if closed:
         return (f"{UNPRIVILEGED}: user {user} cannot read {closed[0]} (install the Python environment and labkit "
                 "where every user can read them: setup.sh does)")
