@@ -124,11 +124,12 @@ chromium:
 	  else echo "error: /usr/bin/chromium is missing: run 'sudo apt-get install -y chromium' (Debian/Ubuntu), then retry"; exit 1; fi; \
 	fi
 
-# `labkit grade --execute` runs each notebook in Debian's bubblewrap sandbox (tests/test_grading_isolation.py).
+# `labkit grade --execute` runs each notebook in Debian's bubblewrap sandbox (tests/test_grading_isolation.py);
+# the Gradescope container rehearsal (tests/test_grading_container.py) loads libseccomp2 through pyseccomp.
 bubblewrap:
-	@if [ ! -x /usr/bin/bwrap ]; then \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update && apt-get install -y bubblewrap; \
-	  else echo "error: /usr/bin/bwrap is missing: run 'sudo apt-get install -y bubblewrap' (Debian/Ubuntu), then retry"; exit 1; fi; \
+	@if [ ! -x /usr/bin/bwrap ] || { ! ls /usr/lib/*/libseccomp.so.2 && ! ls /lib/*/libseccomp.so.2; } >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update && apt-get install -y bubblewrap libseccomp2; \
+	  else echo "error: bubblewrap or libseccomp2 is missing: run 'sudo apt-get install -y bubblewrap libseccomp2' (Debian/Ubuntu), then retry"; exit 1; fi; \
 	fi
 
 # A self-study learner's own copy of the labs (docs/self-study.md): never replaces a file already in my-labs/.

@@ -22,7 +22,7 @@ from nbformat.v4 import new_output
 
 from labkit import lockfile
 from labkit.cli import main
-from labkit.course.grading import gradescope
+from labkit.course.grading import gradescope, isolation
 from labkit.results import MIME
 
 pytestmark = pytest.mark.slow  # run_autograder processes, and the sandboxed exercise processes they start
@@ -123,3 +123,20 @@ def test_results_json_follows_gradescopes_format_for_honest_wrong_and_tampered(g
         text = json.dumps(results)
         assert not [m for m in hostile.HIDDEN_MARKERS if m in text]
 
+
+
+def test_run_autograder_names_its_isolation_and_seals_the_tests_from_the_students_user(graded):
+    """The autograder log and results.json name the level (tests/test_grading_container.py rehearses the one
+    Gradescope's Docker leaves: unprivileged-user); as root, source/ and submission/ are then the grader's only."""
+    tmp, zip_path, out = graded
+    for name, (results, stdout) in out.items():
+        level = results["extra_data"]["isolation"]
+        assert level in (isolation.BUBBLEWRAP, isolation.MOUNT_NS, isolation.UNPRIVILEGED), (name, level)
+        assert f"isolation: {level} (" in stdout and isinstance(results["extra_data"]["network_isolated"], bool)
+        if os.geteuid() == 0:
+            for folder in ("source", "submission"):
+                assert stat.S_IMODE((tmp / name / folder).stat().st_mode) == 0o700, (name, folder)
+    with zipfile.ZipFile(zip_path) as zf:
+        setup = zf.read("setup.sh").decode()
+    assert "useradd --system" in setup and "system venv packages user check" in setup
+    assert "UV_PYTHON_INSTALL_DIR=/opt/" in setup  # not root's 0700 home: the student's user runs this Python

@@ -9,7 +9,10 @@ import csv
 import hashlib
 import importlib.util
 import os
+import shutil
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,9 +22,10 @@ from conftest import live_children
 
 import labkit
 from labkit.cli import cli, main
-from labkit.course.grading import isolation, registry
+from labkit.course.grading import isolation, registry, unprivileged
 from labkit.course.grading.batch import GradeOptions, run_batch
 from labkit.course.grading.isolation import BUBBLEWRAP, MOUNT_NS, NONE, Isolation, View, command, mount_plan
+from labkit.errors import GradingError
 
 
 def _load(name: str, path: str):
@@ -247,3 +251,72 @@ def test_each_execution_gets_a_private_copy_of_the_torch_extensions_cache(tmp_pa
     _private_extensions(scratch)
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(scratch / "torch_extensions")
     assert sorted(p.name for p in (scratch / "torch_extensions").rglob("*")) == ["cpu_adam", "cpu_adam.so"]
+
+
+# ---------------------------------------------------------------- level unprivileged-user (no namespaces)
+NOBODY = unprivileged.User("nobody", 65534, 65534)
+
+
+@pytest.fixture
+def shared_tmp():
+    """A folder every user can traverse (pytest's tmp_path lies in a 0700 one), removed after the test."""
+    folder = Path(tempfile.mkdtemp(prefix="labkit-unpriv-"))
+    os.chmod(folder, 0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_what_the_student_user_can_open_follows_the_modes_of_the_path_and_every_folder_above(shared_tmp):
+    (shared_tmp / "open").mkdir(mode=0o755)
+    (shared_tmp / "open" / "tests.py").write_text("hidden")
+    (shared_tmp / "closed").mkdir(mode=0o700)
+    (shared_tmp / "closed" / "tests.py").write_text("hidden")
+    os.chmod(shared_tmp / "open" / "tests.py", 0o644)
+    os.chmod(shared_tmp / "closed" / "tests.py", 0o644)  # readable itself, but its folder is closed
+    assert unprivileged.reachable(shared_tmp / "open" / "tests.py", NOBODY)
+    assert not unprivileged.reachable(shared_tmp / "closed" / "tests.py", NOBODY)
+    assert not unprivileged.reachable(shared_tmp / "missing", NOBODY)
+    private = [shared_tmp / "open", shared_tmp / "closed", shared_tmp / "missing"]
+    assert unprivileged.exposed(private, NOBODY) == [shared_tmp / "open"]
+    assert unprivileged.closed([shared_tmp / "open", shared_tmp / "closed" / "tests.py"], NOBODY) == \
+        [shared_tmp / "closed" / "tests.py"]
+    message = unprivileged.exposed_message([shared_tmp / "open"], NOBODY)
+    assert f"chmod go-rwx '{shared_tmp / 'open'}'" in message and "nobody (uid 65534)" in message
+
+
+def test_the_student_user_runs_without_privileges_and_a_readable_private_path_is_refused(shared_tmp):
+    user = unprivileged.sandbox_user()
+    if user is None:
+        pytest.skip(f"none of the users {unprivileged.SANDBOX_USERS} exists here")
+    cmd = unprivileged.command(user, ["python3", "-c", "pass"], tasks=64)
+    i = cmd.index(next(c for c in cmd if c.endswith("setpriv")))
+    assert cmd[i + 1:i + 7] == [f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups", "--no-new-privs",
+                                "--inh-caps=-all", "--pdeathsig=keep"] and cmd[-3:] == ["python3", "-c", "pass"]
+    (shared_tmp / "hidden").mkdir(mode=0o755)
+    view = View(shared_tmp / "scratch", 2**20, private=(shared_tmp / "hidden",))
+    with pytest.raises(GradingError, match="chmod go-rwx"):
+        command(Isolation(isolation.UNPRIVILEGED, "", False), view, ["true"])
+    os.chmod(shared_tmp / "hidden", 0o700)
+    assert command(Isolation(isolation.UNPRIVILEGED, "", False), view, ["true"])[-1] == "true"
+
+
+def test_the_unprivileged_level_says_why_it_cannot_run_here_or_runs(shared_tmp):
+    """Root with a sandbox user that can read this Python and labkit gets the level (the probe imports the
+    sandbox as that user); otherwise one line says what is missing. A private checkout or a Python in root's
+    home (pyenv) is the usual reason on a developer's machine: tests/test_grading_container.py then shows it."""
+    found = isolation._unprivileged_level(False, "no namespaces")
+    user = unprivileged.sandbox_user()
+    needed = [sys.executable, *isolation.runtime_paths("labkit"), isolation.labkit_path().split(os.pathsep)[0]]
+    if os.geteuid() != 0:
+        assert found == f"{isolation.UNPRIVILEGED} needs a grader running as root (to start the student's code as another user)"
+    elif user is None:
+        assert "useradd --system labkit-student" in found
+    elif unprivileged.closed(needed, user):
+        assert found.startswith(f"{isolation.UNPRIVILEGED}: user {user} cannot read "), found
+    else:
+        assert isinstance(found, Isolation) and found.level == isolation.UNPRIVILEGED, found
+        assert "network NOT cut" in found.detail and not found.network_isolated
+        scratch = isolation.scratch_dir(found, shared_tmp)
+        assert scratch.stat().st_uid == user.uid and scratch.parent == unprivileged.scratch_parent()
+        isolation.release_scratch(found, scratch)
+        assert not scratch.exists()

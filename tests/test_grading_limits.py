@@ -7,9 +7,11 @@ started it, sandboxed or not (the `labkit check` path of tests/test_exercises_ci
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -20,12 +22,13 @@ import pytest
 from nbformat.v4 import new_code_cell
 
 from labkit.course.exercises.source import exercise_id
-from labkit.course.grading import confine
+from labkit.course.grading import confine, unprivileged
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
+NOBODY = unprivileged.User("nobody", 65534, 65534)  # the unprivileged user of _unprivileged()
 
 #: A parent that starts four 200 MiB children and says how many held their memory together.
 FOUR_CHILDREN = textwrap.dedent('''
@@ -59,7 +62,7 @@ def test_children_share_one_memory_cap(kind):
     assert held == [] if conf.kind == confine.POLLED else held and held[0] <= 2, (out, reason)  # polled: all killed
 
 
-def test_tasks_are_capped_for_the_whole_sandbox():
+def test_tasks_are_capped_for_the_whole_sandbox(confine_file):
     """40 forks under a cap of 16 tasks: the cgroup's pids.max, or RLIMIT_NPROC where the sandbox has its own
     user namespace (what the polled confinement sets in the sandboxed process)."""
     forks = textwrap.dedent('''
@@ -80,16 +83,37 @@ def test_tasks_are_capped_for_the_whole_sandbox():
         out, reason = _run_boxed(conf, forks, 2**30, tasks=16)
         assert int(out.split()[-1]) < 16 and "more than 16 processes" in reason, (out, reason)
     # Polled: confine.cap_tasks in a user namespace of its own; as an unprivileged user (root ignores RLIMIT_NPROC)
-    limited = _load_confine() + "assert c.cap_tasks(16)\n" + forks
+    limited = _load_confine(confine_file) + "assert c.cap_tasks(16)\n" + forks
     out = subprocess.run([*_unprivileged(), "unshare", "--user", "--map-root-user", *_python(), "-c", limited],
                          capture_output=True, text=True, timeout=120, cwd="/")
     assert out.returncode == 0 and int(out.stdout.split()[-1]) < 16, out.stdout + out.stderr
 
 
-def _load_confine() -> str:
-    """Code that imports labkit.course.grading.confine (stdlib only) as `c` without labkit's dependencies."""
+@pytest.fixture
+def confine_file():
+    """confine.py where the unprivileged user can read it: in place, or (a private checkout: a 0700 home, as on
+    cloud GPU nodes) a copy in a fresh folder of the system's temp dir, removed after the test. The same test of
+    readability the isolation level unprivileged-user makes (labkit.course.grading.unprivileged.reachable)."""
+    if os.geteuid() == 0 and not Path("/usr/bin/python3").exists():
+        pytest.skip("no /usr/bin/python3 for the unprivileged user to run")
+    if os.geteuid() != 0 or unprivileged.reachable(confine.__file__, NOBODY):
+        yield confine.__file__
+        return
+    folder = Path(tempfile.mkdtemp(prefix="labkit-confine-"))
+    try:
+        os.chmod(folder, 0o755)
+        copy = shutil.copy(confine.__file__, folder / "confine.py")
+        os.chmod(copy, 0o644)
+        yield str(copy)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _load_confine(path: str) -> str:
+    """Code that imports labkit.course.grading.confine (stdlib only) from `path` as `c` without labkit's
+    dependencies."""
     return ("import importlib.util, sys\n"
-            f"spec = importlib.util.spec_from_file_location('c', {confine.__file__!r})\n"
+            f"spec = importlib.util.spec_from_file_location('c', {path!r})\n"
             "c = importlib.util.module_from_spec(spec); sys.modules['c'] = c; spec.loader.exec_module(c)\n")
 
 
@@ -103,13 +127,13 @@ def _python() -> list[str]:
     return ["/usr/bin/python3"] if os.geteuid() == 0 else [sys.executable]
 
 
-def test_this_machine_says_what_it_allows_as_root_and_not():
+def test_this_machine_says_what_it_allows_as_root_and_not(confine_file):
     conf = confine.detect()
     assert conf.describe().startswith(f"limits per submission: {conf.kind}")
     if conf.kind == confine.POLLED:
         assert conf.detail  # why there is no cgroup
     if os.geteuid() == 0:  # an unprivileged grader on this machine: what it would get, and why
-        out = subprocess.run([*_unprivileged(), *_python(), "-c", _load_confine() + "print(c.detect().describe())"],
+        out = subprocess.run([*_unprivileged(), *_python(), "-c", _load_confine(confine_file) + "print(c.detect().describe())"],
                              capture_output=True, text=True, timeout=60, cwd="/")
         assert out.returncode == 0, out.stderr
         described = out.stdout.strip()

@@ -13,17 +13,19 @@ OUT/parts/shard-* --out OUT` joins the shards into the gradebook one machine wou
 """
 from __future__ import annotations
 
-import click
-
+import os
 from pathlib import Path
 
+import click
+
+from labkit.course.grading import isolation
 from labkit.course.grading import shards as sharding
 from labkit.course.grading.batch import (GradeOptions, code_plan, find_submissions, isolation_for, maxima,
-                                         run_batch)
+                                         private_paths, run_batch)
 from labkit.course.grading.evaluate import Grade
 from labkit.course.grading.registry import load_file
 from labkit.course.grading.sandbox import Limits
-from labkit.errors import GradingError
+from labkit.errors import ConfigError, GradingError
 from labkit.profiles import get_profile
 from labkit.results import format_table
 
@@ -87,6 +89,8 @@ def command(submissions_dir, out_dir, notebook, execute, profile, timeout, worke
     if execute:
         iso = isolation_for(opts)  # ConfigError (exit 2) when there is none and it was not accepted
         click.echo(f"isolation: {iso.level} ({iso.detail})")
+    if execute or os.geteuid() == 0:  # code tests run sandboxed too; only root can get level unprivileged-user
+        _private_to_grader(opts, Path(submissions_dir), Path(out_dir))
     part = sharding.parse_shard(shard) if shard else None
     select = (lambda subs: sharding.select(subs, *part)) if part else None
     result = run_batch(submissions_dir, out_dir, opts, progress=_progress, select=select)
@@ -103,6 +107,21 @@ def command(submissions_dir, out_dir, notebook, execute, profile, timeout, worke
     for problem in result.problems:  # the gradebook is written: say what is missing, still exit 0
         click.echo(f"warning: {problem}")
     return 0
+
+
+def _private_to_grader(opts: GradeOptions, submissions: Path, out: Path) -> None:
+    """At isolation level unprivileged-user (no namespaces; file permissions keep the grader's files from the
+    student's user): --out made readable by the grader only when new, and a GradingError (exit 2, one line)
+    while the student's user can open a private path (the submissions, --out, the hidden tests)."""
+    iso = isolation.detect(opts.limits.network)
+    if iso.level != isolation.UNPRIVILEGED:
+        return
+    if opts.workers > 1:
+        raise ConfigError(f"--workers {opts.workers} at isolation {iso.level}: every sandbox runs as the same user "
+                          "here, so two at once could reach each other's files; use --workers 1 (or grade where "
+                          "bubblewrap can start)")
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    isolation.guard_private(private_paths(opts, submissions, out))
 
 
 def _emit(submissions_dir, out_dir, opts: GradeOptions, shards, checks_file, memory_gib, output_mib, scratch_mib):

@@ -69,19 +69,29 @@ def launch(module: str, work: Path, *, extra: list[str], pass_fds: tuple[int, ..
     from labkit.course.grading.sandbox import scratch_env
 
     work = work.resolve()
-    scratch = work if isolation is not None and isolation.level == iso_mod.BUBBLEWRAP else work / "scratch"
-    scratch.mkdir(exist_ok=True)
+    if isolation is None:
+        scratch = work / "scratch"
+        scratch.mkdir(exist_ok=True)
+    else:  # at level unprivileged-user a directory of the student's user elsewhere, removed with the box
+        scratch = iso_mod.scratch_dir(isolation, work)
     box = confine.detect().box(memory_bytes) if isolation is not None else confine.unconfined(memory_bytes)
+    if isolation is not None and isolation.level == iso_mod.UNPRIVILEGED:
+        box.on_close(lambda: iso_mod.release_scratch(isolation, scratch))
     tasks = ["--tasks", str(box.child_tasks())] if box.child_tasks() else []
     argv = [sys.executable, "-m", module, str(scratch), str(memory_bytes), *tasks, *extra]
     if isolation is None:
         cmd, env = argv, {**os.environ, "PYTHONPATH": iso_mod.labkit_path()}
     else:
         view = iso_mod.View(scratch, scratch_bytes, private=tuple(private), shown=iso_mod.runtime_paths(kernel))
-        cmd, env = iso_mod.command(isolation, view, argv), scratch_env(scratch, kernel)
+        try:
+            cmd, env = iso_mod.command(isolation, view, argv, box.tasks), scratch_env(scratch, kernel)
+        except BaseException:
+            box.close()
+            raise
         env["MPLBACKEND"] = "Agg"
+    cwd = scratch if isolation is not None and isolation.level == iso_mod.UNPRIVILEGED else work
     proc = subprocess.Popen(box.command(cmd), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            pass_fds=pass_fds, start_new_session=True, env=env, cwd=work)
+                            pass_fds=pass_fds, start_new_session=True, env=env, cwd=cwd)
     box.watch(proc)
     return Launched(proc, OutputTap(output_bytes).start(proc.stdout), box)
 

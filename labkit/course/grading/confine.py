@@ -154,6 +154,11 @@ class Box:
     _over: int = 0
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
+    _after: list = field(default_factory=list, repr=False)
+
+    def on_close(self, fn) -> None:
+        """Call `fn()` once `close()` is done (a scratch made outside the sandbox's folder is removed then)."""
+        self._after.append(fn)
 
     @property
     def kind(self) -> str:
@@ -248,6 +253,8 @@ class Box:
             time.sleep(0.05)
         for d in self.dirs:
             _rmdir(d)
+        while self._after:
+            self._after.pop()()
 
 
 def unconfined(memory_bytes: int) -> Box:

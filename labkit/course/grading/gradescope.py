@@ -93,15 +93,24 @@ PY="${LABKIT_AUTOGRADER_PYTHON:-$VENV/bin/python}"
 LOCK="$SOURCE/requirements/lock.txt"
 PYTHON_VERSION="$(sed -n 's/^# python: //p' "$LOCK")"   # the Python the lock was made on
 
-system() {  # bubblewrap: the sandbox each student's code runs in (docs/grading.md, the sandbox)
+system() {  # the sandbox each student's code runs in (docs/grading.md, "On Gradescope"): bubblewrap where the
+    # container allows namespaces; else (Docker's default seccomp profile) setpriv runs it as labkit-student
     export DEBIAN_FRONTEND=noninteractive
     apt-get update
-    apt-get install -y --no-install-recommends bubblewrap ca-certificates curl
+    apt-get install -y --no-install-recommends bubblewrap ca-certificates curl util-linux
 }
 
-venv() {  # the lock's Python (uv fetches it whatever the image's python3 is), then an empty venv
+venv() {  # the lock's Python (uv fetches it whatever the image's python3 is), then an empty venv. The Python
+    # goes to /opt, not root's home (0700): the student's user must be able to run it
     curl -LsSf https://astral.sh/uv/install.sh | env UV_INSTALL_DIR=/usr/local/bin sh
-    uv venv --python "$PYTHON_VERSION" --seed "$VENV"
+    UV_PYTHON_INSTALL_DIR=/opt/labkit-python uv venv --python "$PYTHON_VERSION" --seed "$VENV"
+}
+
+user() {  # the unprivileged user the student's code runs as where bubblewrap cannot start; it reads the Python
+    # and labkit, never the hidden tests (run_autograder makes source/ and submission/ root-only again)
+    id -u labkit-student >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin labkit-student
+    chmod -R go+rX "$VENV" /opt/labkit-python
+    chmod 0700 "$SOURCE"
 }
 
 packages() {  # the locked torch as a CPU build (grading needs no GPU), then labkit and its locked deps
@@ -117,7 +126,7 @@ check() {  # no network: labkit imports, the environment matches the lock, the l
     "$PY" -m labkit.course.grading.gradescope --root "$ROOT" --check
 }
 
-for step in ${LABKIT_AUTOGRADER_STEPS:-system venv packages check}; do
+for step in ${LABKIT_AUTOGRADER_STEPS:-system venv packages user check}; do
     echo "setup.sh: $step"
     "$step"
 done
@@ -134,7 +143,9 @@ class Settings:
     profile: str = "smoke"
     timeout_s: float = 600.0
     exercise_timeout_s: float = 300.0
-    memory_gib: float = 4.0
+    memory_gib: float = 8.0
+    """Memory cap of one submission (labkit grade's default): each process's address space (RLIMIT_AS) and the
+    whole tree's memory. At 4 a lab-01 kernel could not even import transformers' Llama (torch maps ~5 GiB)."""
     hidden_visibility: str = "after_published"
     """Gradescope visibility of hidden tests (their name and score; never their message)."""
     unsafe_no_isolation: bool = False
@@ -282,6 +293,18 @@ def _failed(settings: Settings, student: str, reason: str):
                  f"the autograder could not grade this submission ({reason}); your instructor has been told")
 
 
+def seal(root: Path) -> None:
+    """As root: the zip's files (the hidden tests), the submission and its metadata readable by root only, so
+    that the student's user cannot read them (isolation level unprivileged-user; harmless under the others)."""
+    if os.geteuid() != 0:
+        return
+    for path in (root / "source", root / "submission", root / "submission_metadata.json", root / "results"):
+        try:
+            os.chmod(path, 0o700 if path.is_dir() else 0o600)
+        except OSError:
+            pass  # absent: nothing to hide
+
+
 def grade(root: Path) -> tuple[dict, str | None]:
     """Grade root/submission/ with labkit grade's code; write root/results/results.json. Returns it and, when
     the autograder itself could not grade (no sandbox, a broken zip), the problem for the instructor."""
@@ -290,6 +313,7 @@ def grade(root: Path) -> tuple[dict, str | None]:
     from labkit.errors import LabkitError
 
     start = time.monotonic()
+    seal(root)
     source = root / "source"
     student, problem, extra = _student(root), None, {}
     try:
@@ -307,7 +331,7 @@ def grade(root: Path) -> tuple[dict, str | None]:
         try:
             iso = isolation_for(opts)  # none, and not accepted in labkit-gradescope.json: the instructor's problem
             print(f"isolation: {iso.level} ({iso.detail})", flush=True)
-            extra["isolation"] = iso.level
+            extra.update(isolation=iso.level, network_isolated=iso.network_isolated)
             with tempfile.TemporaryDirectory(prefix="labkit-gs-") as tmp:
                 subs = Path(tmp) / "subs"
                 (subs / student).mkdir(parents=True)

@@ -13,6 +13,10 @@ Levels, best first:
   every capability dropped (root in the sandbox could otherwise unmount a mask);
 - `mount-namespace`: the same view built by labkit.course.grading.mountns inside plain `unshare` user, mount, PID
   and network namespaces, where bubblewrap is missing;
+- `unprivileged-user`: no namespace can be made (Docker's default seccomp profile, as on Gradescope; HPC
+  nodes without user namespaces) but the grader is root: the student's processes run as an unprivileged user
+  (labkit.course.grading.unprivileged), so what keeps the hidden tests out of reach is file permissions.
+  It does NOT cut the network, nor hide world-readable files or the process list (that module says what else);
 - `none`: no file-system isolation. Network and PID namespaces are still used where `unshare` allows;
   `labkit grade --execute` refuses this level unless `--unsafe-no-isolation` is given.
 Memory and tasks are capped per sandbox apart from the view (labkit.course.grading.confine).
@@ -29,7 +33,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-BUBBLEWRAP, MOUNT_NS, NONE = "bubblewrap", "mount-namespace", "none"
+from labkit.course.grading import unprivileged
+from labkit.errors import GradingError
+
+BUBBLEWRAP, MOUNT_NS, UNPRIVILEGED, NONE = "bubblewrap", "mount-namespace", unprivileged.LEVEL, "none"
 
 
 @dataclass(frozen=True)
@@ -142,13 +149,50 @@ def unshare_command(view: View, argv: list[str]) -> list[str]:
             sys.executable, "-m", "labkit.course.grading.mountns", json.dumps(plan), "--", *argv]
 
 
-def command(iso: Isolation, view: View, argv: list[str]) -> list[str]:
-    """The command running `argv` under `iso` with `view` (ignored at level none)."""
+def command(iso: Isolation, view: View, argv: list[str], tasks: int = 0) -> list[str]:
+    """The command running `argv` under `iso` with `view` (ignored at level none; at level unprivileged-user
+    only its private paths are used: GradingError while the student's user can read one). `tasks`: the
+    processes the student's user may run at once (level unprivileged-user)."""
     if iso.level == BUBBLEWRAP:
         return bwrap_command(view, argv)
     if iso.level == MOUNT_NS:
         return unshare_command(view, argv)
+    if iso.level == UNPRIVILEGED:
+        return unprivileged.command(guard_private(view.private), argv, tasks)
     return [*(() if view.network else _unshare_prefix()[0]), *argv]
+
+
+def guard_private(paths) -> unprivileged.User:
+    """At level unprivileged-user: the student's user, after checking it can open none of `paths` (what its
+    sandbox must not see); GradingError naming them and the fix otherwise."""
+    user = unprivileged.sandbox_user()
+    if user is None:
+        raise GradingError(f"isolation {UNPRIVILEGED}: none of the users {', '.join(unprivileged.SANDBOX_USERS)} "
+                           "exists any more; create one (`useradd --system labkit-student`)")
+    seen = unprivileged.exposed(paths, user)
+    if seen:
+        raise GradingError(unprivileged.exposed_message(seen, user))
+    return user
+
+
+def scratch_dir(iso: Isolation, work: Path) -> Path:
+    """The writable directory of a sandbox started in `work` (made here): `work` itself under bubblewrap (its
+    tmpfs covers it), `work/scratch` under a mount namespace, a directory of the student's user in the system's
+    temp folder at level unprivileged-user (`work` stays the grader's: that user cannot reach it). Give it
+    back with `release_scratch`."""
+    if iso.level == UNPRIVILEGED:
+        user = unprivileged.sandbox_user()
+        if user is not None:
+            return unprivileged.make_scratch(user)
+    scratch = work if iso.level == BUBBLEWRAP else work / "scratch"
+    scratch.mkdir(exist_ok=True)  # the mount-namespace level mounts its new root over it
+    return scratch
+
+
+def release_scratch(iso: Isolation, scratch: Path) -> None:
+    """After the sandbox ended: remove a scratch made outside its work folder (level unprivileged-user)."""
+    if iso.level == UNPRIVILEGED:
+        unprivileged.remove_scratch(scratch)
 
 
 def runtime_paths(kernel: str) -> tuple[Path, ...]:
@@ -181,13 +225,15 @@ def kernel_spec_dir(kernel: str) -> Path | None:
 
 
 def _probe(level: str, network: bool) -> str | None:
-    """None when `level` builds a view on this machine, else why not (last line of its error)."""
+    """None when `level` builds a view on this machine, else why not (last line of its error). At level
+    unprivileged-user the probe is the sandbox's Python importing the sandbox's module as the student's user."""
+    argv = [sys.executable, "-c", "import labkit.course.grading.sandbox"] if level == UNPRIVILEGED else ["true"]
     with tempfile.TemporaryDirectory(prefix="labkit-probe-") as tmp:
         scratch = Path(tmp).resolve()
         view = View(scratch, 2**20, network=network)
         try:
-            probe = subprocess.run(command(Isolation(level, "", False), view, ["true"]), capture_output=True,
-                                   timeout=30, env={**os.environ, "PYTHONPATH": labkit_path()})
+            probe = subprocess.run(command(Isolation(level, "", False), view, argv), capture_output=True,
+                                   timeout=60, env={**os.environ, "PYTHONPATH": labkit_path()}, cwd="/")
         except (OSError, subprocess.TimeoutExpired) as exc:
             return str(exc)[:120]
     if probe.returncode == 0:
@@ -224,8 +270,38 @@ def detect(network: bool = False) -> Isolation:
             return Isolation(MOUNT_NS, f"unshare (no bubblewrap: {why}): {hidden}",
                              not network)
         why += f"; unshare failed: {failed}"
+    found = _unprivileged_level(network, why)
+    if isinstance(found, Isolation):
+        return found
+    why += f"; {found}"
     prefix, net = ((), "network allowed") if network else _unshare_prefix()
     return Isolation(NONE, f"file system NOT isolated ({why}); {net}; {confine.detect().describe()}", bool(prefix))
+
+
+def _unprivileged_level(network: bool, why: str) -> Isolation | str:
+    """Level unprivileged-user when the grader is root, a sandbox user exists and can run this Python and
+    labkit (probed: it imports the sandbox's module as that user); else why not."""
+    from labkit.course.grading import confine
+
+    user = unprivileged.sandbox_user()
+    if os.geteuid() != 0:
+        return f"{UNPRIVILEGED} needs a grader running as root (to start the student's code as another user)"
+    if user is None or not shutil.which("setpriv"):
+        return (f"{UNPRIVILEGED} needs util-linux's setpriv and one of the users "
+                f"{', '.join(unprivileged.SANDBOX_USERS)} (`useradd --system labkit-student`)")
+    closed = unprivileged.closed([sys.executable, *runtime_paths("labkit"), labkit_path().split(os.pathsep)[0]], user)
+    if closed:
+        return (f"{UNPRIVILEGED}: user {user} cannot read {closed[0]} (install the Python environment and labkit "
+                "where every user can read them: setup.sh does)")
+    failed = _probe(UNPRIVILEGED, network)
+    if failed is not None:
+        return f"{UNPRIVILEGED} failed: {failed}"
+    net = "network NOT cut (no namespaces here: a submission reaches what this machine can)"
+    if network:
+        net = "network allowed"
+    return Isolation(UNPRIVILEGED, f"runs as {user} (no namespaces: {why}): the hidden tests and grader files "
+                     f"readable by root only; its own scratch on disk (each file capped, not the total); {net}; "
+                     f"other processes listed in /proc; {confine.detect().describe()}", False)
 
 
 @functools.lru_cache(maxsize=1)

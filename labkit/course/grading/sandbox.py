@@ -7,7 +7,9 @@ Limits, and how each is enforced:
   spawns (an allocation past the cap raises MemoryError in the student's cell), and the same cap on the whole
   tree together, tasks too (labkit.course.grading.confine: a cgroup, else polling): forked children share it;
 - files: only the system, the Python environment and the labkit package, read-only, and a size-capped scratch
-  tmpfs; nothing else is there (labkit.course.grading.isolation); RLIMIT_FSIZE, RLIMIT_CORE 0;
+  tmpfs; nothing else is there (labkit.course.grading.isolation); RLIMIT_FSIZE, RLIMIT_CORE 0. Where no namespace
+  can be made (level unprivileged-user) the sandbox runs as another user instead, and file permissions keep
+  the grader's files from it (labkit.course.grading.unprivileged says what that level does not cut);
 - output: the executed notebook's size is polled while it runs (in the executor) and the report's size
   (in the grader), and checked before it is ever read;
 - network and processes: new network and PID namespaces, so killing the executor kills every process the
@@ -162,9 +164,9 @@ def execute(src: str | os.PathLike, dst: str | os.PathLike, *, workdir: str | os
     src, dst, workdir = Path(src).resolve(), Path(dst).resolve(), Path(workdir).resolve()
     iso = isolation or iso_mod.detect(limits.network)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    # Under bubblewrap a fresh tmpfs covers `workdir`, hiding the report and log kept there.
-    scratch = workdir if iso.level == iso_mod.BUBBLEWRAP else workdir / "scratch"
-    scratch.mkdir(exist_ok=True)  # the mount-namespace level mounts its new root over it
+    # Under bubblewrap a fresh tmpfs covers `workdir`, hiding the report and log kept there; at level
+    # unprivileged-user the scratch is the student's user's own directory elsewhere (isolation.scratch_dir).
+    scratch = iso_mod.scratch_dir(iso, workdir)
     view = View(scratch, limits.scratch_bytes, private=tuple(private) + (src.parent,),
                 shown=iso_mod.runtime_paths(kernel), network=limits.network)
     report_path, log_path = workdir / "report", workdir / "executor.log"
@@ -176,15 +178,16 @@ def execute(src: str | os.PathLike, dst: str | os.PathLike, *, workdir: str | os
     try:
         with log_path.open("wb") as log, report_path.open("wb") as report, src.open("rb") as stdin:
             argv += ["--report-fd", str(report.fileno())]
-            proc = subprocess.Popen(box.command(iso_mod.command(iso, view, argv)), stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=stdin, pass_fds=(report.fileno(),),
+            cmd = box.command(iso_mod.command(iso, view, argv, box.tasks))
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=stdin, pass_fds=(report.fileno(),),
                                     start_new_session=True, env={**scratch_env(scratch, kernel), GRADED_RUN_ENV: "1"},
-                                    cwd=workdir)
+                                    cwd=scratch if iso.level == iso_mod.UNPRIVILEGED else workdir)
             box.watch(proc)
             killed = _watch(proc, report_path, limits)
         capped = box.exceeded()
     finally:
         box.close()
+        iso_mod.release_scratch(iso, scratch)
     run = _outcome(killed, proc, report_path, log_path, dst, limits, iso)
     if capped and run.outcome != OK:
         return replace(run, detail=f"{run.detail} ({capped})" if run.detail else capped, info={**run.info, "capped": capped})
