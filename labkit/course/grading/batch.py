@@ -25,6 +25,7 @@ from labkit.course.grading.evidence import cell_number, collect, error_of
 from labkit.course.grading.gradebook import safe_name
 from labkit.course.grading.isolation import Isolation
 from labkit.course.grading.registry import checks_for
+from labkit.course.grading.submissions import Submission, find_submissions  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -54,35 +55,6 @@ class GradeOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ConfigError(f"workers={self.workers!r}; give a positive integer")
-
-
-@dataclass(frozen=True)
-class Submission:
-    student: str
-    notebook: str
-    path: Path | None
-    """None when the student has no such file."""
-    present: tuple[str, ...] = ()
-    """The .ipynb files the student's directory does hold (named in the reason when `path` is None)."""
-
-
-def find_submissions(root: str | Path, notebook: str | None = None) -> list[Submission]:
-    """One Submission per `<student>/<notebook>.ipynb` (or per student when `notebook` is given)."""
-    root = Path(root)
-    if not root.is_dir():
-        raise GradingError(f"submissions directory {root} does not exist; expected "
-                           f"{root}/<student>/<notebook>.ipynb")
-    subs = []
-    for student_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        student = student_dir.name
-        files = sorted(p for p in student_dir.glob("*.ipynb") if not p.name.startswith("."))
-        if notebook is not None:
-            path = student_dir / f"{notebook}.ipynb"
-            subs.append(Submission(student, notebook, path if path.is_file() else None,
-                                   tuple(p.name for p in files)))
-            continue
-        subs += [Submission(student, p.stem, p) for p in files] or [Submission(student, "", None)]
-    return subs
 
 
 def _max_score(notebook: str, opts: GradeOptions | None = None) -> float:
@@ -152,6 +124,8 @@ def grade_submission(sub: Submission, opts: GradeOptions, out_dir: Path, box: Sa
 
 
 def _grade(sub: Submission, opts: GradeOptions, out_dir: Path, box: Sandboxing | None) -> Grade:
+    if sub.problem:
+        raise SubmissionProblem(INVALID, sub.problem)
     if sub.path is None:
         what = f"{sub.notebook}.ipynb" if sub.notebook else "notebook (*.ipynb)"
         found = f" (it holds: {', '.join(sub.present[:5])})" if sub.present else ""
@@ -192,12 +166,13 @@ def _digests(nb) -> tuple[str, ...]:
 
 
 def _execute_and_grade(sub: Submission, opts: GradeOptions, out_dir: Path, checks, box: Sandboxing) -> Grade:
-    dst = out_dir / "executed" / safe_name(sub.student) / f"{safe_name(sub.notebook)}.ipynb"
+    who = sub.file_name or safe_name(sub.student)
+    dst = out_dir / "executed" / who / f"{safe_name(sub.notebook)}.ipynb"
     with tempfile.TemporaryDirectory(prefix="labkit-grade-") as work:
         run = sandbox.execute(sub.path, dst, workdir=work, kernel=opts.kernel,
                               parameters={"PROFILE": opts.profile}, limits=opts.limits,
                               private=box.hidden + (out_dir,), isolation=box.isolation)
-        _keep_log(Path(work) / "executor.log", out_dir / "logs" / f"{safe_name(sub.student)}__{dst.stem}.log")
+        _keep_log(Path(work) / "executor.log", out_dir / "logs" / f"{who}__{dst.stem}.log")
     nb = _load_quietly(run.output, opts.limits.output_bytes)
     iso = run.isolation
     note = "" if iso.isolated and (iso.network_isolated or opts.limits.network) else f" [{iso.detail}]"
@@ -318,14 +293,16 @@ def _grade_copies(subs: list[Submission], opts: GradeOptions, out_dir: Path, hid
     code = any(code_plan(s.notebook, opts).exercises for s in subs if s.notebook)
     box = Sandboxing(isolation_for(opts), private_paths(opts, *hidden)) if opts.execute or code else None
     received: dict[int, workspace.Received] = {}
+    refused: dict[int, str] = {}
     with tempfile.TemporaryDirectory(prefix="labkit-ws-") as ws:  # mode 0700
         for i, sub in enumerate(subs):
             try:
-                if sub.path is not None:
+                if sub.path is not None and not sub.problem:
                     received[i] = workspace.take(sub.path, Path(ws), i, opts.max_bytes)
-            except OSError:
-                pass  # unreadable: graded from the original, which load_notebook reports
-        copies = [replace(s, path=received[i].copy) if i in received else s for i, s in enumerate(subs)]
+            except SubmissionProblem as exc:  # not a regular file, above the cap, unreadable: never read again
+                refused[i] = str(exc)
+        copies = [replace(s, path=received[i].copy) if i in received else
+                  replace(s, problem=refused[i]) if i in refused else s for i, s in enumerate(subs)]
         box = box and replace(box, hidden=box.hidden + (Path(ws),))
         rows = grade_all(copies, opts, out_dir, progress, box)
     notes = {(subs[i].student, subs[i].notebook): (rec, workspace.changed(rec, opts.max_bytes))
@@ -351,6 +328,8 @@ def run_batch(submissions_dir: str | Path, out_dir: str | Path, opts: GradeOptio
     executed/ and logs/). Only grades.csv failing raises."""
     out_dir = Path(out_dir)
     subs = find_submissions(submissions_dir, opts.notebook)
+    names, _ = gradebook.file_names(s.student for s in subs)  # the whole listing's: a shard names as one machine
+    subs = [replace(s, file_name=names[s.student]) for s in subs]
     subs = select(subs) if select is not None else subs
     out_dir.mkdir(parents=True, exist_ok=True)
     hidden = (Path(submissions_dir), out_dir)

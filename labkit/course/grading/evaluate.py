@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -51,35 +52,105 @@ class Grade:
     """A note for the instructor (grades.csv, never the student's feedback): e.g. runs identical to another's."""
 
 
-def load_notebook(path: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_BYTES):
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a device"),
+          (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _not_regular(name: str, mode: int) -> SubmissionProblem:
+    if stat.S_ISLNK(mode):
+        return SubmissionProblem(INVALID, f"{name} is a symbolic link, not a file; submit the notebook itself "
+                                 "(a link can point at anyone's work)")
+    kind = next((what for test, what in _KINDS if test(mode)), "not a regular file")
+    return SubmissionProblem(INVALID, f"{name} is {kind}, not a notebook file; submit the .ipynb file itself")
+
+
+def _too_big(name: str, size: int, max_bytes: int) -> SubmissionProblem:
+    return SubmissionProblem(INVALID, f"{name} is {size / 2**20:.1f} MiB, above the {max_bytes / 2**20:.0f} MiB "
+                             "cap; clear huge outputs and save again")
+
+
+def read_submitted(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES, *, follow: bool = False) -> bytes:
+    """The bytes of the regular file `path`, read once: SubmissionProblem('invalid') for anything else.
+
+    A submissions folder is anyone's: `path` is lstat-ed (a symbolic link, FIFO, device or folder is refused
+    by its type, never opened), then opened with O_NOFOLLOW | O_NONBLOCK (a link or FIFO swapped in meanwhile
+    neither redirects nor blocks the open) under its parent folder opened with O_NOFOLLOW too; the open
+    descriptor must be a regular file and the same one lstat saw, and at most `max_bytes` + 1 bytes are read
+    from it (a device reports size 0; a file that grows is still bounded). Nothing falls back to the path.
+    `follow`: the caller's own path (`labkit check`), whose links are resolved first; still only a regular
+    file is read.
+    """
+    path = Path(path).resolve() if follow else Path(path)
+    name = path.name
+    try:
+        before = os.lstat(path)
+    except OSError as exc:
+        raise SubmissionProblem(INVALID, f"cannot read {name}: {exc.strerror}") from exc
+    if not stat.S_ISREG(before.st_mode):
+        raise _not_regular(name, before.st_mode)
+    if before.st_size > max_bytes:
+        raise _too_big(name, before.st_size, max_bytes)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        parent = os.open(path.parent, flags | os.O_DIRECTORY)
+        try:
+            fd = os.open(name, flags, dir_fd=parent)
+        finally:
+            os.close(parent)
+    except OSError as exc:  # ELOOP: a link swapped in after lstat
+        raise SubmissionProblem(INVALID, f"cannot read {name}: {exc.strerror} (was it replaced while the batch "
+                                "read it?)") from exc
+    try:
+        now = os.fstat(fd)
+        if not stat.S_ISREG(now.st_mode):
+            raise _not_regular(name, now.st_mode)
+        if (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino):
+            raise SubmissionProblem(INVALID, f"{name} was replaced while the batch read it; grade it again")
+        chunks, left = [], max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 2**20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as exc:
+        raise SubmissionProblem(INVALID, f"cannot read {name}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:
+        raise _too_big(name, max(len(data), now.st_size), max_bytes)
+    return data
+
+
+def load_notebook(path: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_BYTES, follow: bool = True):
     """The nbformat v4 node of `path`; SubmissionProblem('invalid') for anything that is not one.
 
-    The size is checked before a byte is read, so a 10 GB file costs nothing.
+    Read by `read_submitted`: the size is checked before a byte is read, so a 10 GB file costs nothing, and
+    only a regular file is read at all (`follow=False`: a symbolic link is refused, as for a submission).
     """
+    path = Path(path)
+    return parse_notebook(read_submitted(path, max_bytes, follow=follow), path.name)
+
+
+def parse_notebook(raw: bytes, name: str):
+    """The nbformat v4 node of the bytes `raw` of file `name`; SubmissionProblem('invalid') otherwise."""
     import nbformat
 
-    path = Path(path)
     try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise SubmissionProblem(INVALID, f"cannot read {path.name}: {exc.strerror}") from exc
-    if size > max_bytes:
-        raise SubmissionProblem(INVALID, f"{path.name} is {size / 2**20:.1f} MiB, above the "
-                                f"{max_bytes / 2**20:.0f} MiB cap; clear huge outputs and save again")
-    try:
-        text = path.read_bytes().decode("utf-8")
+        text = raw.decode("utf-8")
         data = json.loads(text)
     except UnicodeDecodeError as exc:
-        raise SubmissionProblem(INVALID, f"{path.name} is not UTF-8 text ({exc.reason})") from exc
+        raise SubmissionProblem(INVALID, f"{name} is not UTF-8 text ({exc.reason})") from exc
     except json.JSONDecodeError as exc:
-        raise SubmissionProblem(INVALID, f"{path.name} is not valid JSON (line {exc.lineno}, column "
+        raise SubmissionProblem(INVALID, f"{name} is not valid JSON (line {exc.lineno}, column "
                                 f"{exc.colno}: {exc.msg}); download the notebook again from Jupyter") from exc
     except RecursionError as exc:
-        raise SubmissionProblem(INVALID, f"{path.name} nests JSON too deeply to be a notebook") from exc
+        raise SubmissionProblem(INVALID, f"{name} nests JSON too deeply to be a notebook") from exc
     if not isinstance(data, dict) or not isinstance(data.get("cells"), list):
-        raise SubmissionProblem(INVALID, f"{path.name} is JSON but not a Jupyter notebook (no 'cells' list)")
+        raise SubmissionProblem(INVALID, f"{name} is JSON but not a Jupyter notebook (no 'cells' list)")
     if data.get("nbformat") != 4:
-        raise SubmissionProblem(INVALID, f"{path.name} has nbformat {data.get('nbformat')!r}, not 4; open and "
+        raise SubmissionProblem(INVALID, f"{name} has nbformat {data.get('nbformat')!r}, not 4; open and "
                                 f"save it in a current Jupyter")
     try:
         nb = nbformat.reads(text, as_version=4, capture_validation_error={})
@@ -87,7 +158,7 @@ def load_notebook(path: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_BYTES
             if not isinstance(cell.get("source", ""), str) or not isinstance(cell.get("outputs", []), list):
                 raise ValueError("a cell has a malformed source or outputs")
     except Exception as exc:  # noqa: BLE001 - nbformat raises many types on malformed input
-        raise SubmissionProblem(INVALID, f"{path.name} is not a valid notebook ({type(exc).__name__}: "
+        raise SubmissionProblem(INVALID, f"{name} is not a valid notebook ({type(exc).__name__}: "
                                 f"{str(exc)[:200]})") from exc
     return nb
 

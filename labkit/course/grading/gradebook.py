@@ -40,11 +40,40 @@ def normalize(rows: Sequence[Grade], maxima: dict[str, float]) -> list[Grade]:
     return out
 
 
+_HASHED = re.compile(r"-[0-9a-f]{6}$")
+
+
 def safe_name(name: str) -> str:
-    """A unique file name for `name` (student directories and notebook names come from anyone)."""
+    """A file name for `name` (student directories and notebook names come from anyone): the name itself when it
+    is safe, else its safe characters and a hash of it. A safe name that looks hashed (`alice_smith-b6a89e`) is
+    hashed too, so it never meets the name of `alice smith`; `file_names` settles what a hash cannot."""
     safe = re.sub(r"[^A-Za-z0-9._@-]", "_", name).lstrip(".") or "_"
+    if safe == name and not _HASHED.search(name):
+        return safe
     # surrogatepass: a directory name that is not UTF-8 (os.listdir's surrogateescape) still hashes
-    return safe if safe == name else f"{safe}-{hashlib.sha1(name.encode('utf-8', 'surrogatepass')).hexdigest()[:6]}"
+    return f"{safe[:100]}-{hashlib.sha1(name.encode('utf-8', 'surrogatepass')).hexdigest()[:6]}"
+
+
+def file_names(names: Iterable[str], base=safe_name) -> tuple[dict[str, str], list[str]]:
+    """One file name per name, unique within the batch even on a case-insensitive disk: `base(name)`, and on a
+    collision (a crafted hash, `Alice` beside `alice`) the later name in sorted order gets `~2`, `~3`...; the
+    warnings say which. Deterministic: the same names always get the same files (a merge equals one machine)."""
+    out: dict[str, str] = {}
+    taken: set[str] = set()
+    warnings = []
+    for name in sorted(set(names)):
+        first = candidate = base(name)
+        n = 1
+        while candidate.casefold() in taken:
+            n += 1
+            candidate = f"{first}~{n}"
+        if candidate != first:
+            owner = next(k for k, v in out.items() if v.casefold() == first.casefold())
+            warnings.append(f"{clean(name, 80)!r} and {clean(owner, 80)!r} map to the same file name {first!r}: "
+                            f"{clean(name, 80)!r} is written as {candidate!r}")
+        taken.add(candidate.casefold())
+        out[name] = candidate
+    return out, warnings
 
 
 def _num(value: float) -> str:
@@ -95,16 +124,17 @@ def write_canvas(rows: Sequence[Grade], path: Path, maxima: dict[str, float]) ->
     for s in students:
         lines.append([_text(s), "", "", _text(s), "",
                       *(_num(score[(s, n)]) if (s, n) in score else "" for n in notebooks)])
-    return _write(path, [*CANVAS_ID_COLUMNS, *notebooks], lines)
+    return _write(path, [*CANVAS_ID_COLUMNS, *map(_text, notebooks)], lines)  # a notebook's name is a file's
 
 
 def write_gradescope(rows: Sequence[Grade], directory: Path) -> list[Path]:
     paths = []
-    for notebook in sorted({r.notebook for r in rows if r.notebook}):
+    names, _ = file_names({r.notebook for r in rows if r.notebook})
+    for notebook in sorted(names):
         group = [r for r in rows if r.notebook == notebook]
         lines = ([_text(r.student), _text(r.student), _text(r.student) if "@" in r.student else "", _num(r.score)]
                  for r in group)
-        paths.append(_write(directory / f"{safe_name(notebook)}.csv", ("Name", "SID", "Email", "Score"), lines))
+        paths.append(_write(directory / f"{names[notebook]}.csv", ("Name", "SID", "Email", "Score"), lines))
     return paths
 
 
@@ -126,4 +156,7 @@ def write_all(rows: Sequence[Grade], maxima: dict[str, float], out_dir: Path, fi
             write()
         except Exception as exc:  # noqa: BLE001 - one file's failure never costs the others
             problems.append(f"{name} not written: {type(exc).__name__}: {clean(exc, 200)}")
-    return problems + feedback.write_feedback(rows, out_dir / "feedback", file_name)
+    names, collisions = file_names({r.student for r in rows}, file_name)
+    _, clashing = file_names({r.notebook for r in rows if r.notebook})
+    problems += [f"feedback/: {w}" for w in collisions] + [f"gradescope/: {w}" for w in clashing]
+    return problems + feedback.write_feedback(rows, out_dir / "feedback", names.__getitem__)

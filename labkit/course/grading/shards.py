@@ -14,13 +14,14 @@ I = $SLURM_ARRAY_TASK_ID (run one by hand: `SLURM_ARRAY_TASK_ID=3 bash OUT/slurm
 from __future__ import annotations
 
 import csv
+from collections import Counter
 import hashlib
 import json
 import math
 import shlex
 import shutil
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -30,7 +31,7 @@ from labkit.course.grading.evaluate import Grade
 from labkit.errors import GradingError
 
 SHARD_FILE = "shard.json"
-FORMAT = 1
+FORMAT = 2
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -79,8 +80,9 @@ def _row(data: dict) -> Grade:
 
 
 def write_shard(out_dir: Path, index: int, count: int, all_subs, rows: Sequence[Grade], plan: dict) -> Path:
+    entries = sorted([s.student, s.notebook] for s in all_subs)
     data = {"format": FORMAT, "shard": index, "of": count, "listing": listing(all_subs),
-            "submissions": len(all_subs), "plan": plan, "rows": [_row_data(r) for r in rows]}
+            "submissions": len(all_subs), "entries": entries, "plan": plan, "rows": [_row_data(r) for r in rows]}
     path = out_dir / SHARD_FILE
     path.write_text(json.dumps(data, indent=1, ensure_ascii=True) + "\n", encoding="utf-8")
     return path
@@ -98,6 +100,34 @@ def _read(part: Path) -> dict:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise GradingError(f"{path} was written by another labkit version; grade that shard again")
     return data
+
+
+@dataclass(frozen=True)
+class _Entry:
+    student: str
+    notebook: str
+
+
+def _check_rows(path: Path, data: dict, count: int) -> None:
+    """GradingError unless the rows of shard `data` are its submissions of the listing, each exactly once."""
+    try:
+        entries = [_Entry(str(a), str(b)) for a, b in data["entries"]]
+        rows = [(str(r["student"]), str(r["notebook"])) for r in data["rows"]]
+    except (KeyError, TypeError, ValueError):
+        raise GradingError(f"{path} is malformed (its entries or rows); grade that shard again") from None
+    if listing(entries) != data["listing"] or len(entries) != data["submissions"]:
+        raise GradingError(f"{path}: its list of submissions does not match its digest; grade that shard again")
+    expected = sorted((e.student, e.notebook) for e in select(entries, data["shard"], count))
+    repeated = sorted(r for r, n in Counter(rows).items() if n > 1)
+    if repeated:
+        raise GradingError(f"{path} grades {repeated[0][0]!r}/{repeated[0][1]!r} more than once; grade that shard "
+                           "again")
+    foreign = sorted(set(rows) - set(expected))
+    if foreign or sorted(rows) != expected:
+        what = (f"{foreign[0][0]!r}/{foreign[0][1]!r}, which is not one of its students" if foreign else
+                f"no row for {sorted(set(expected) - set(rows))[0][0]!r}")
+        raise GradingError(f"{path} (shard {data['shard']}/{count}) holds {what}; grade that shard again with "
+                           "`labkit grade ... --shard I/K`")
 
 
 def merge(parts: Sequence[str | Path], out_dir: str | Path) -> tuple[list[Grade], list, list[str]]:
@@ -123,6 +153,7 @@ def merge(parts: Sequence[str | Path], out_dir: str | Path) -> tuple[list[Grade]
             raise GradingError(f"{seen[data['shard']]} and {path} are both shard {data['shard']}/{count}; pass each "
                                "shard once")
         seen[data["shard"]] = path
+        _check_rows(path, data, count)
     missing = sorted(set(range(count)) - set(seen))
     if missing:
         ids = ",".join(map(str, missing))
