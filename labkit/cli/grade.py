@@ -18,7 +18,7 @@ import click
 from pathlib import Path
 
 from labkit.course.grading import shards as sharding
-from labkit.course.grading.batch import (GradeOptions, code_plan, find_submissions, isolation_for, maxima,
+from labkit.course.grading.batch import (GradeOptions, code_plan, isolation_for, listing, maxima, roster_of,
                                          run_batch)
 from labkit.course.grading.evaluate import Grade
 from labkit.course.grading.registry import load_file
@@ -59,10 +59,14 @@ def _progress(row: Grade) -> None:
               help="Grade nothing here: write OUT/slurm/grade.sbatch, a SLURM array job (one task per shard).")
 @click.option("--shards", type=int, default=None,
               help="Tasks of --emit slurm (default: one per 8 students).")
+@click.option("--roster", type=click.Path(), default=None,
+              help="CSV of the class (id,name,email,extension): every rostered student gets a row; a student "
+                   "with nothing handed in is `missing` (0, not submitted); folders on no line are listed.")
 @click.option("--shard", default=None, metavar="I/K",
               help="Grade only shard I of K (students split by name; what each SLURM task runs).")
 def command(submissions_dir, out_dir, notebook, execute, profile, timeout, workers, memory_gib, output_mib,
-            checks_file, kernel, scratch_mib, autograder, exercise_timeout, unsafe_no_isolation, emit, shards, shard):
+            checks_file, kernel, scratch_mib, autograder, exercise_timeout, unsafe_no_isolation, emit, shards, shard,
+            roster):
     """Grade SUBMISSIONS_DIR/<student>/<notebook>.ipynb on recorded results (or re-executed with --execute),
     and the code exercises' cells on their visible + hidden tests (sandboxed).
 
@@ -81,7 +85,10 @@ def command(submissions_dir, out_dir, notebook, execute, profile, timeout, worke
     opts = GradeOptions(execute=execute, notebook=notebook, profile=profile, kernel=kernel, workers=workers,
                         limits=limits, private=(checks_file,) if checks_file else (),
                         unsafe_no_isolation=unsafe_no_isolation, autograder=autograder,
-                        exercise_timeout_s=exercise_timeout)
+                        exercise_timeout_s=exercise_timeout, roster=roster)
+    class_list = roster_of(opts)  # a malformed roster is a GradingError (exit 2) naming its line
+    if class_list is not None:
+        click.echo(f"roster: {len(class_list.students)} students")
     if emit == "slurm":
         return _emit(submissions_dir, out_dir, opts, shards, checks_file, memory_gib, output_mib, scratch_mib)
     if execute:
@@ -91,9 +98,9 @@ def command(submissions_dir, out_dir, notebook, execute, profile, timeout, worke
     select = (lambda subs: sharding.select(subs, *part)) if part else None
     result = run_batch(submissions_dir, out_dir, opts, progress=_progress, select=select)
     if part:
-        everything = find_submissions(submissions_dir, notebook)
+        everything = listing(submissions_dir, opts)
         sharding.write_shard(result.out_dir, *part, everything, result.rows,
-                             sharding.plan_of(opts, maxima(everything, opts)))  # the whole class's plan
+                             sharding.plan_of(opts, maxima(everything, opts), roster_of(opts)))  # the whole class's
     click.echo(format_table(result.summary))
     click.echo(f"wrote {result.out_dir / 'grades.csv'} ({len(result.rows)} rows), summary.csv, canvas.csv, "
                f"received.csv, review.csv, gradescope/, feedback/")
@@ -106,14 +113,15 @@ def command(submissions_dir, out_dir, notebook, execute, profile, timeout, worke
 
 
 def _emit(submissions_dir, out_dir, opts: GradeOptions, shards, checks_file, memory_gib, output_mib, scratch_mib):
-    subs = find_submissions(submissions_dir, opts.notebook)
+    subs = listing(submissions_dir, opts)
     argv = [*(["--notebook", opts.notebook] if opts.notebook else []), *(["--execute"] if opts.execute else []),
             "--profile", opts.profile, "--timeout", f"{opts.limits.timeout_s:g}", "--workers", str(opts.workers),
             "--memory-gib", f"{memory_gib:g}", "--output-mib", f"{output_mib:g}", "--kernel", opts.kernel,
             "--scratch-mib", f"{scratch_mib:g}", "--exercise-timeout", f"{opts.exercise_timeout_s:g}",
             *(["--checks", str(Path(checks_file).resolve())] if checks_file else []),
             *(["--autograder", str(Path(opts.autograder).resolve())] if opts.autograder else []),
-            *(["--unsafe-no-isolation"] if opts.unsafe_no_isolation else [])]
+            *(["--unsafe-no-isolation"] if opts.unsafe_no_isolation else []),
+            *(["--roster", str(Path(opts.roster).resolve())] if opts.roster else [])]
 
     def seconds(sub) -> float:  # a generous bound: execution, then every exercise's whole budget
         exercises = len(code_plan(sub.notebook, opts).exercises) if sub.notebook else 0

@@ -17,15 +17,15 @@ from typing import Callable
 
 from labkit.course.exercises import grading as exercise_grading
 from labkit.errors import ConfigError, GradingError
-from labkit.course.grading import copies, gradebook, isolation, sandbox, tamper, workspace
-from labkit.course.grading.evaluate import (DEFAULT_MAX_BYTES, ERROR, INVALID, TAMPERED, TIMEOUT, Grade,
+from labkit.course.grading import copies, gradebook, isolation, roster, sandbox, tamper, workspace
+from labkit.course.grading.evaluate import (DEFAULT_MAX_BYTES, ERROR, INVALID, MISSING, TAMPERED, TIMEOUT, Grade,
                                      SubmissionProblem, check_identity, grade_notebook, join_reasons,
                                      load_notebook)
 from labkit.course.grading.evidence import cell_number, collect, error_of
 from labkit.course.grading.gradebook import safe_name
 from labkit.course.grading.isolation import Isolation
 from labkit.course.grading.registry import checks_for
-from labkit.course.grading.submissions import Submission, find_submissions  # noqa: F401 (re-exported)
+from labkit.course.grading.submissions import Submission, find_submissions, with_roster
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,8 @@ class GradeOptions:
     notebooks/tests/hidden when it exists. Code tests always run sandboxed, with or without `execute`."""
     exercise_timeout_s: float = 300.0
     """Seconds for all the tests of one code exercise (one sandboxed process per exercise)."""
+    roster: str | None = None
+    """CSV of the class (labkit.course.grading.roster): every rostered student gets a row, missing or not."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or self.workers < 1:
@@ -124,6 +126,8 @@ def grade_submission(sub: Submission, opts: GradeOptions, out_dir: Path, box: Sa
 
 
 def _grade(sub: Submission, opts: GradeOptions, out_dir: Path, box: Sandboxing | None) -> Grade:
+    if sub.missing:
+        raise SubmissionProblem(MISSING, "not submitted")
     if sub.problem:
         raise SubmissionProblem(INVALID, sub.problem)
     if sub.path is None:
@@ -320,6 +324,20 @@ def maxima(rows: list[Grade], opts: GradeOptions) -> dict[str, float]:
     return {nb: _max_score(nb, opts) for nb in sorted({r.notebook for r in rows})}
 
 
+def roster_of(opts: GradeOptions):
+    return roster.load(opts.roster) if opts.roster else None
+
+
+def listing(submissions_dir: str | Path, opts: GradeOptions) -> list[Submission]:
+    """Everything a batch grades (a shard picks its students from it): the folders' submissions, completed by the
+    roster, each with its file name in OUT_DIR (unique over the whole listing, so a shard names as one machine)."""
+    subs = find_submissions(submissions_dir, opts.notebook)
+    if opts.roster:
+        subs, _ = with_roster(subs, roster_of(opts), opts.notebook)
+    names, _ = gradebook.file_names(s.student for s in subs)
+    return [replace(s, file_name=names[s.student]) for s in subs]
+
+
 def run_batch(submissions_dir: str | Path, out_dir: str | Path, opts: GradeOptions = GradeOptions(),
               progress: Callable[[Grade], None] | None = None,
               select: Callable[[list[Submission]], list[Submission]] | None = None) -> BatchResult:
@@ -327,15 +345,13 @@ def run_batch(submissions_dir: str | Path, out_dir: str | Path, opts: GradeOptio
     grades.csv, summary.csv, canvas.csv, received.csv, review.csv, gradescope/, feedback/ (and with --execute
     executed/ and logs/). Only grades.csv failing raises."""
     out_dir = Path(out_dir)
-    subs = find_submissions(submissions_dir, opts.notebook)
-    names, _ = gradebook.file_names(s.student for s in subs)  # the whole listing's: a shard names as one machine
-    subs = [replace(s, file_name=names[s.student]) for s in subs]
+    subs = listing(submissions_dir, opts)
     subs = select(subs) if select is not None else subs
     out_dir.mkdir(parents=True, exist_ok=True)
     hidden = (Path(submissions_dir), out_dir)
     rows = _grade_copies(subs, opts, out_dir, hidden, progress)
     pairs, most = copies.find_pairs(rows), maxima(rows, opts)
     rows = gradebook.normalize(copies.flag(rows, pairs), most)
-    problems = gradebook.write_all(rows, most, out_dir, safe_name, pairs)
+    problems = gradebook.write_all(rows, most, out_dir, safe_name, pairs, roster_of(opts))
     return BatchResult(rows, out_dir, gradebook.summary(rows), isolation_for(opts) if opts.execute else None,
                        tuple(pairs), tuple(problems))

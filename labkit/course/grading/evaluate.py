@@ -20,7 +20,9 @@ from labkit.course.grading.evidence import IDENTITY_KEY, Evidence, identity
 GRADED, ERROR, TIMEOUT, INVALID, TAMPERED = "graded", "error", "timeout", "invalid", "tampered"
 #: A notebook executed as a rehearsal (labkit.rehearsal): stand-in models on CPU, nothing measured.
 REHEARSAL = "rehearsal"
-STATUSES = (GRADED, ERROR, TIMEOUT, INVALID, TAMPERED, REHEARSAL)
+#: A rostered student with no such submission (labkit grade --roster).
+MISSING = "missing"
+STATUSES = (GRADED, ERROR, TIMEOUT, INVALID, TAMPERED, REHEARSAL, MISSING)
 #: Largest submitted notebook read into memory (a few figures make a course notebook ~1-5 MB).
 DEFAULT_MAX_BYTES = 50 * 2**20
 

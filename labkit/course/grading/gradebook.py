@@ -115,31 +115,50 @@ def write_summary(rows: Sequence[Grade], path: Path) -> Path:
     return _write(path, cols, ([_text(row[c]) if c == "notebook" else row[c] for c in cols] for row in table))
 
 
-def write_canvas(rows: Sequence[Grade], path: Path, maxima: dict[str, float]) -> Path:
-    """canvas.csv; 'Points Possible' is the plan's maximum of each notebook."""
+def _who(student: str, roster) -> tuple[str, str, str]:
+    """(name, id, email) of a folder for the exports: the roster's when it lists the student, else the folder's."""
+    found = roster.find(student) if roster is not None else None
+    if found is not None:
+        return found.name or student, found.id, found.email
+    return student, student, student if "@" in student else ""
+
+
+def write_canvas(rows: Sequence[Grade], path: Path, maxima: dict[str, float], roster=None) -> Path:
+    """canvas.csv; 'Points Possible' is the plan's maximum of each notebook (the roster names the students)."""
     notebooks = sorted({r.notebook for r in rows if r.notebook})
     students = sorted({r.student for r in rows})
     score = {(r.student, r.notebook): r.score for r in rows}
     lines = [["Points Possible", "", "", "", "", *(_num(maxima.get(n, 0.0)) for n in notebooks)]]
     for s in students:
-        lines.append([_text(s), "", "", _text(s), "",
+        name, sid, _ = _who(s, roster)
+        lines.append([_text(name), "", _text(sid) if roster is not None else "", _text(s), "",
                       *(_num(score[(s, n)]) if (s, n) in score else "" for n in notebooks)])
     return _write(path, [*CANVAS_ID_COLUMNS, *map(_text, notebooks)], lines)  # a notebook's name is a file's
 
 
-def write_gradescope(rows: Sequence[Grade], directory: Path) -> list[Path]:
+def write_gradescope(rows: Sequence[Grade], directory: Path, roster=None) -> list[Path]:
     paths = []
     names, _ = file_names({r.notebook for r in rows if r.notebook})
     for notebook in sorted(names):
         group = [r for r in rows if r.notebook == notebook]
-        lines = ([_text(r.student), _text(r.student), _text(r.student) if "@" in r.student else "", _num(r.score)]
-                 for r in group)
+        lines = ([*map(_text, _who(r.student, roster)), _num(r.score)] for r in group)
         paths.append(_write(directory / f"{names[notebook]}.csv", ("Name", "SID", "Email", "Score"), lines))
     return paths
 
 
+def write_unrostered(rows: Sequence[Grade], path: Path, roster) -> list[str]:
+    """unrostered.csv (folder, notebooks): the graded folders no roster line claims; one warning each."""
+    folders: dict[str, list[str]] = defaultdict(list)
+    for r in rows:
+        if roster.find(r.student) is None:
+            folders[r.student].append(r.notebook)
+    _write(path, ("folder", "notebooks"), ([_text(f), _text(" ".join(filter(None, nbs)))]
+                                           for f, nbs in sorted(folders.items())))
+    return [f"the folder {clean(f, 80)!r} is on no line of the roster (graded; unrostered.csv)" for f in sorted(folders)]
+
+
 def write_all(rows: Sequence[Grade], maxima: dict[str, float], out_dir: Path, file_name=safe_name,
-              pairs: Sequence = ()) -> list[str]:
+              pairs: Sequence = (), roster=None) -> list[str]:
     """Write grades.csv (first: an OSError there is the caller's), then summary.csv, canvas.csv, gradescope/,
     review.csv and feedback/, each on its own; the problems of those that failed, one line each."""
     from labkit.course.grading import copies, feedback
@@ -147,8 +166,8 @@ def write_all(rows: Sequence[Grade], maxima: dict[str, float], out_dir: Path, fi
     rows = normalize(rows, maxima)
     write_grades(rows, out_dir / "grades.csv")
     writers = {"summary.csv": lambda: write_summary(rows, out_dir / "summary.csv"),
-               "canvas.csv": lambda: write_canvas(rows, out_dir / "canvas.csv", maxima),
-               "gradescope/": lambda: write_gradescope(rows, out_dir / "gradescope"),
+               "canvas.csv": lambda: write_canvas(rows, out_dir / "canvas.csv", maxima, roster),
+               "gradescope/": lambda: write_gradescope(rows, out_dir / "gradescope", roster),
                "review.csv": lambda: copies.write_review(list(pairs), out_dir / "review.csv")}
     problems = []
     for name, write in writers.items():
@@ -156,6 +175,11 @@ def write_all(rows: Sequence[Grade], maxima: dict[str, float], out_dir: Path, fi
             write()
         except Exception as exc:  # noqa: BLE001 - one file's failure never costs the others
             problems.append(f"{name} not written: {type(exc).__name__}: {clean(exc, 200)}")
+    if roster is not None:
+        try:
+            problems += write_unrostered(rows, out_dir / "unrostered.csv", roster)
+        except Exception as exc:  # noqa: BLE001 - as above
+            problems.append(f"unrostered.csv not written: {type(exc).__name__}: {clean(exc, 200)}")
     names, collisions = file_names({r.student for r in rows}, file_name)
     _, clashing = file_names({r.notebook for r in rows if r.notebook})
     problems += [f"feedback/: {w}" for w in collisions] + [f"gradescope/: {w}" for w in clashing]

@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 from labkit.course.grading import copies, gradebook
 from labkit.course.grading.checks import CheckResult
 from labkit.course.grading.evaluate import Grade
+from labkit.course.grading.roster import Roster
 from labkit.errors import GradingError
 
 SHARD_FILE = "shard.json"
@@ -61,10 +62,11 @@ def listing(subs) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def plan_of(opts, maxima: dict[str, float]) -> dict:
+def plan_of(opts, maxima: dict[str, float], roster=None) -> dict:
     """What decides a row's points: shards graded under different plans do not merge."""
     return {"maxima": maxima, "notebook": opts.notebook, "execute": opts.execute, "profile": opts.profile,
-            "autograder": opts.autograder, "checks": list(opts.private)}
+            "autograder": opts.autograder, "checks": list(opts.private),
+            "roster": roster.rows() if roster is not None else None}
 
 
 def _row_data(row: Grade) -> dict:
@@ -165,7 +167,8 @@ def merge(parts: Sequence[str | Path], out_dir: str | Path) -> tuple[list[Grade]
     out.mkdir(parents=True, exist_ok=True)
     pairs = copies.find_pairs(rows)
     rows = gradebook.normalize(copies.flag(rows, pairs), maxima)
-    problems = gradebook.write_all(rows, maxima, out, gradebook.safe_name, pairs)
+    class_list = Roster.from_rows(first["plan"]["roster"]) if first["plan"].get("roster") is not None else None
+    problems = gradebook.write_all(rows, maxima, out, gradebook.safe_name, pairs, class_list)
     _join_received([Path(p) for p in seen.values()], out / "received.csv")
     for part in seen.values():  # --execute: the executed notebooks and logs, student by student
         for sub in ("executed", "logs"):

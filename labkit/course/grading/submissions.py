@@ -24,6 +24,8 @@ class Submission:
     """The .ipynb files the student's directory does hold (named in the reason when `path` is None)."""
     problem: str = ""
     """Why this submission is `invalid` before anything is read (a linked folder, a file that is no file)."""
+    missing: bool = False
+    """A rostered student who handed in no such notebook: a `missing` row, 0 points, "not submitted"."""
     file_name: str = ""
     """The student's file name in OUT_DIR (executed/, logs/), unique in the batch (gradebook.file_names)."""
 
@@ -74,3 +76,36 @@ def find_submissions(root: str | Path, notebook: str | None = None) -> list[Subm
         subs += [Submission(student, name[:-len(".ipynb")], root / student / name) for name in files] or \
             [Submission(student, "", None)]
     return subs
+
+
+def with_roster(subs: list[Submission], roster, notebook: str | None) -> tuple[list[Submission], list[str]]:
+    """`subs` completed by the roster (labkit.course.grading.roster): a `missing` Submission for every rostered
+    student and graded notebook they did not hand in; and the folders on no roster line (still graded)."""
+    from labkit.course.grading.registry import checks_for
+
+    def course(nb: str) -> bool:
+        try:
+            return bool(nb) and checks_for(nb) is not None
+        except GradingError:
+            return False
+
+    notebooks = [notebook] if notebook else sorted({s.notebook for s in subs if course(s.notebook)}) or [""]
+    by_folder: dict[str, list[Submission]] = {}
+    for sub in subs:
+        by_folder.setdefault(sub.student, []).append(sub)
+    out, unrostered, claimed = [], [], set()
+    for folder, own in by_folder.items():
+        student = roster.find(folder)
+        if student is None:
+            unrostered.append(folder)
+            out += own
+            continue
+        claimed.add(student.id)
+        handed = {s.notebook for s in own}
+        out += [s for s in own if s.notebook or s.problem] + [
+            Submission(folder, nb, None, missing=True) for nb in notebooks if nb not in handed and not
+            any(s.problem for s in own)]
+    for student in roster.students:
+        if student.id not in claimed:
+            out += [Submission(student.id, nb, None, missing=True) for nb in notebooks]
+    return sorted(out, key=lambda s: (s.student, s.notebook)), sorted(unrostered)
