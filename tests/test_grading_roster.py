@@ -12,7 +12,7 @@ import pytest
 
 from labkit.cli import main
 from labkit.course.grading import shards
-from labkit.course.grading.batch import GradeOptions, listing, maxima, roster_of, run_batch
+from labkit.course.grading.batch import GradeOptions, listing, maxima, questions_for, roster_of, run_batch
 from labkit.course.grading.nb_checks.lab01_memory import zero3_7p5b_64
 from test_grading_shards import _lab01
 
@@ -66,15 +66,16 @@ def test_every_rostered_student_gets_a_row_and_unrostered_folders_are_listed(tmp
 
 def test_a_class_with_a_roster_merges_from_shards_into_one_machines_gradebook(tmp_path):
     subs, roster = _class(tmp_path)
-    opts = GradeOptions(roster=str(roster))
+    opts = GradeOptions(roster=str(roster), export_questions=True)
     run_batch(subs, tmp_path / "single", opts)
     everything = listing(subs, opts)
+    most = maxima(everything, opts)
     parts = []
     for i in range(2):
         part = tmp_path / f"shard-{i}"
         result = run_batch(subs, part, opts, select=lambda s, i=i: shards.select(s, i, 2))
         shards.write_shard(part, i, 2, everything, result.rows,
-                           shards.plan_of(opts, maxima(everything, opts), roster_of(opts)))
+                           shards.plan_of(opts, most, roster_of(opts), questions_for(most, opts)))
         parts.append(part)
     shards.merge(parts, tmp_path / "merged")
     files = lambda d: {p.relative_to(d).as_posix(): p.read_bytes() for p in d.rglob("*") if p.is_file()}  # noqa: E731

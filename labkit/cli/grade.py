@@ -18,8 +18,8 @@ import click
 from pathlib import Path
 
 from labkit.course.grading import shards as sharding
-from labkit.course.grading.batch import (GradeOptions, code_plan, isolation_for, listing, maxima, roster_of,
-                                         run_batch)
+from labkit.course.grading.batch import (GradeOptions, code_plan, isolation_for, listing, maxima, questions_for,
+                                         roster_of, run_batch)
 from labkit.course.grading.evaluate import Grade
 from labkit.course.grading.registry import load_file
 from labkit.course.grading.sandbox import Limits
@@ -62,11 +62,14 @@ def _progress(row: Grade) -> None:
 @click.option("--roster", type=click.Path(), default=None,
               help="CSV of the class (id,name,email,extension): every rostered student gets a row; a student "
                    "with nothing handed in is `missing` (0, not submitted); folders on no line are listed.")
+@click.option("--export-questions", is_flag=True,
+              help="Also put the points of every check and test into canvas.csv and gradescope/ (grades.csv always "
+                   "has them).")
 @click.option("--shard", default=None, metavar="I/K",
               help="Grade only shard I of K (students split by name; what each SLURM task runs).")
 def command(submissions_dir, out_dir, notebook, execute, profile, timeout, workers, memory_gib, output_mib,
             checks_file, kernel, scratch_mib, autograder, exercise_timeout, unsafe_no_isolation, emit, shards, shard,
-            roster):
+            roster, export_questions):
     """Grade SUBMISSIONS_DIR/<student>/<notebook>.ipynb on recorded results (or re-executed with --execute),
     and the code exercises' cells on their visible + hidden tests (sandboxed).
 
@@ -85,7 +88,8 @@ def command(submissions_dir, out_dir, notebook, execute, profile, timeout, worke
     opts = GradeOptions(execute=execute, notebook=notebook, profile=profile, kernel=kernel, workers=workers,
                         limits=limits, private=(checks_file,) if checks_file else (),
                         unsafe_no_isolation=unsafe_no_isolation, autograder=autograder,
-                        exercise_timeout_s=exercise_timeout, roster=roster)
+                        exercise_timeout_s=exercise_timeout, roster=roster,
+                        export_questions=export_questions)
     class_list = roster_of(opts)  # a malformed roster is a GradingError (exit 2) naming its line
     if class_list is not None:
         click.echo(f"roster: {len(class_list.students)} students")
@@ -99,8 +103,9 @@ def command(submissions_dir, out_dir, notebook, execute, profile, timeout, worke
     result = run_batch(submissions_dir, out_dir, opts, progress=_progress, select=select)
     if part:
         everything = listing(submissions_dir, opts)
+        most = maxima(everything, opts)  # the whole class's plan
         sharding.write_shard(result.out_dir, *part, everything, result.rows,
-                             sharding.plan_of(opts, maxima(everything, opts), roster_of(opts)))  # the whole class's
+                             sharding.plan_of(opts, most, roster_of(opts), questions_for(most, opts)))
     click.echo(format_table(result.summary))
     click.echo(f"wrote {result.out_dir / 'grades.csv'} ({len(result.rows)} rows), summary.csv, canvas.csv, "
                f"received.csv, review.csv, gradescope/, feedback/")
@@ -121,7 +126,8 @@ def _emit(submissions_dir, out_dir, opts: GradeOptions, shards, checks_file, mem
             *(["--checks", str(Path(checks_file).resolve())] if checks_file else []),
             *(["--autograder", str(Path(opts.autograder).resolve())] if opts.autograder else []),
             *(["--unsafe-no-isolation"] if opts.unsafe_no_isolation else []),
-            *(["--roster", str(Path(opts.roster).resolve())] if opts.roster else [])]
+            *(["--roster", str(Path(opts.roster).resolve())] if opts.roster else []),
+            *(["--export-questions"] if opts.export_questions else [])]
 
     def seconds(sub) -> float:  # a generous bound: execution, then every exercise's whole budget
         exercises = len(code_plan(sub.notebook, opts).exercises) if sub.notebook else 0

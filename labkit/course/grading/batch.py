@@ -17,7 +17,7 @@ from typing import Callable
 
 from labkit.course.exercises import grading as exercise_grading
 from labkit.errors import ConfigError, GradingError
-from labkit.course.grading import copies, gradebook, isolation, roster, sandbox, tamper, workspace
+from labkit.course.grading import copies, gradebook, isolation, questions, roster, sandbox, tamper, workspace
 from labkit.course.grading.evaluate import (DEFAULT_MAX_BYTES, ERROR, INVALID, MISSING, TAMPERED, TIMEOUT, Grade,
                                      SubmissionProblem, check_identity, grade_notebook, join_reasons,
                                      load_notebook)
@@ -51,6 +51,9 @@ class GradeOptions:
     notebooks/tests/hidden when it exists. Code tests always run sandboxed, with or without `execute`."""
     exercise_timeout_s: float = 300.0
     """Seconds for all the tests of one code exercise (one sandboxed process per exercise)."""
+    export_questions: bool = False
+    """Also put the points per question (every check and test) into canvas.csv and gradescope/ (grades.csv
+    always has them)."""
     roster: str | None = None
     """CSV of the class (labkit.course.grading.roster): every rostered student gets a row, missing or not."""
 
@@ -319,6 +322,11 @@ def _grade_copies(subs: list[Submission], opts: GradeOptions, out_dir: Path, hid
     return out
 
 
+def questions_for(notebooks, opts: GradeOptions) -> list[questions.Question]:
+    """The plan's questions (every check and exercise test, labkit.course.grading.questions) of `notebooks`."""
+    return [q for nb in sorted(set(notebooks)) if nb for q in questions.plan(nb, code_plan(nb, opts))]
+
+
 def maxima(rows: list[Grade], opts: GradeOptions) -> dict[str, float]:
     """The grader's plan: the points possible of each notebook in `rows` (its checks and code tests)."""
     return {nb: _max_score(nb, opts) for nb in sorted({r.notebook for r in rows})}
@@ -352,6 +360,7 @@ def run_batch(submissions_dir: str | Path, out_dir: str | Path, opts: GradeOptio
     rows = _grade_copies(subs, opts, out_dir, hidden, progress)
     pairs, most = copies.find_pairs(rows), maxima(rows, opts)
     rows = gradebook.normalize(copies.flag(rows, pairs), most)
-    problems = gradebook.write_all(rows, most, out_dir, safe_name, pairs, roster_of(opts))
+    problems = gradebook.write_all(rows, most, out_dir, safe_name, pairs, roster_of(opts), questions_for(most, opts),
+                                   opts.export_questions)
     return BatchResult(rows, out_dir, gradebook.summary(rows), isolation_for(opts) if opts.execute else None,
                        tuple(pairs), tuple(problems))

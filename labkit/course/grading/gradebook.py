@@ -23,6 +23,7 @@ from dataclasses import replace
 from typing import Any, Iterable, Sequence
 
 from labkit.course.grading.evaluate import STATUSES, Grade
+from labkit.course.grading.questions import earned
 from labkit.course.grading.text import clean
 from labkit.course.grading.text import csv_field as _text
 
@@ -89,10 +90,11 @@ def _write(path: Path, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> 
     return path
 
 
-def write_grades(rows: Sequence[Grade], path: Path) -> Path:
-    return _write(path, GRADES_COLUMNS, ([_text(r.student), _text(r.notebook), _num(r.score), _num(r.max_score),
-                                          r.status, _text("; ".join(filter(None, (r.detail, r.review))))]
-                                         for r in rows))
+def write_grades(rows: Sequence[Grade], path: Path, questions: Sequence = ()) -> Path:
+    """grades.csv: the GRADES_COLUMNS, then the points of each question (labkit.course.grading.questions)."""
+    return _write(path, [*GRADES_COLUMNS, *(_text(q.header) for q in questions)],
+                  ([_text(r.student), _text(r.notebook), _num(r.score), _num(r.max_score), r.status,
+                    _text("; ".join(filter(None, (r.detail, r.review)))), *earned(r, questions)] for r in rows))
 
 
 def summary(rows: Sequence[Grade]) -> list[dict[str, Any]]:
@@ -123,26 +125,36 @@ def _who(student: str, roster) -> tuple[str, str, str]:
     return student, student, student if "@" in student else ""
 
 
-def write_canvas(rows: Sequence[Grade], path: Path, maxima: dict[str, float], roster=None) -> Path:
-    """canvas.csv; 'Points Possible' is the plan's maximum of each notebook (the roster names the students)."""
+def write_canvas(rows: Sequence[Grade], path: Path, maxima: dict[str, float], roster=None,
+                 questions: Sequence = ()) -> Path:
+    """canvas.csv; 'Points Possible' is the plan's maximum of each notebook (the roster names the students), then
+    of each question in `questions` (--export-questions)."""
     notebooks = sorted({r.notebook for r in rows if r.notebook})
     students = sorted({r.student for r in rows})
-    score = {(r.student, r.notebook): r.score for r in rows}
-    lines = [["Points Possible", "", "", "", "", *(_num(maxima.get(n, 0.0)) for n in notebooks)]]
+    by_key = {(r.student, r.notebook): r for r in rows}
+    lines = [["Points Possible", "", "", "", "", *(_num(maxima.get(n, 0.0)) for n in notebooks),
+              *(_num(q.points) for q in questions)]]
     for s in students:
         name, sid, _ = _who(s, roster)
+        per_question = [""] * len(questions)
+        for n in notebooks:
+            if (s, n) in by_key:
+                per_question = [a or b for a, b in zip(per_question, earned(by_key[(s, n)], questions))]
         lines.append([_text(name), "", _text(sid) if roster is not None else "", _text(s), "",
-                      *(_num(score[(s, n)]) if (s, n) in score else "" for n in notebooks)])
-    return _write(path, [*CANVAS_ID_COLUMNS, *map(_text, notebooks)], lines)  # a notebook's name is a file's
+                      *(_num(by_key[(s, n)].score) if (s, n) in by_key else "" for n in notebooks), *per_question])
+    # a notebook's name is a file's: escaped like any other field
+    return _write(path, [*CANVAS_ID_COLUMNS, *map(_text, notebooks), *(_text(q.header) for q in questions)], lines)
 
 
-def write_gradescope(rows: Sequence[Grade], directory: Path, roster=None) -> list[Path]:
+def write_gradescope(rows: Sequence[Grade], directory: Path, roster=None, questions: Sequence = ()) -> list[Path]:
     paths = []
     names, _ = file_names({r.notebook for r in rows if r.notebook})
     for notebook in sorted(names):
         group = [r for r in rows if r.notebook == notebook]
-        lines = ([*map(_text, _who(r.student, roster)), _num(r.score)] for r in group)
-        paths.append(_write(directory / f"{names[notebook]}.csv", ("Name", "SID", "Email", "Score"), lines))
+        mine = [q for q in questions if q.notebook == notebook]
+        lines = ([*map(_text, _who(r.student, roster)), _num(r.score), *earned(r, mine)] for r in group)
+        paths.append(_write(directory / f"{names[notebook]}.csv",
+                            ("Name", "SID", "Email", "Score", *(_text(q.header) for q in mine)), lines))
     return paths
 
 
@@ -158,16 +170,17 @@ def write_unrostered(rows: Sequence[Grade], path: Path, roster) -> list[str]:
 
 
 def write_all(rows: Sequence[Grade], maxima: dict[str, float], out_dir: Path, file_name=safe_name,
-              pairs: Sequence = (), roster=None) -> list[str]:
+              pairs: Sequence = (), roster=None, questions: Sequence = (), export_questions: bool = False) -> list[str]:
     """Write grades.csv (first: an OSError there is the caller's), then summary.csv, canvas.csv, gradescope/,
     review.csv and feedback/, each on its own; the problems of those that failed, one line each."""
     from labkit.course.grading import copies, feedback
 
     rows = normalize(rows, maxima)
-    write_grades(rows, out_dir / "grades.csv")
+    write_grades(rows, out_dir / "grades.csv", questions)
+    exported = questions if export_questions else ()
     writers = {"summary.csv": lambda: write_summary(rows, out_dir / "summary.csv"),
-               "canvas.csv": lambda: write_canvas(rows, out_dir / "canvas.csv", maxima, roster),
-               "gradescope/": lambda: write_gradescope(rows, out_dir / "gradescope", roster),
+               "canvas.csv": lambda: write_canvas(rows, out_dir / "canvas.csv", maxima, roster, exported),
+               "gradescope/": lambda: write_gradescope(rows, out_dir / "gradescope", roster, exported),
                "review.csv": lambda: copies.write_review(list(pairs), out_dir / "review.csv")}
     problems = []
     for name, write in writers.items():

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
-from labkit.course.grading import copies, gradebook
+from labkit.course.grading import copies, gradebook, questions
 from labkit.course.grading.checks import CheckResult
 from labkit.course.grading.evaluate import Grade
 from labkit.course.grading.roster import Roster
@@ -62,11 +62,12 @@ def listing(subs) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def plan_of(opts, maxima: dict[str, float], roster=None) -> dict:
-    """What decides a row's points: shards graded under different plans do not merge."""
+def plan_of(opts, maxima: dict[str, float], roster=None, questions_list=()) -> dict:
+    """What decides a row's points and the gradebook's columns: shards graded under different plans do not merge."""
     return {"maxima": maxima, "notebook": opts.notebook, "execute": opts.execute, "profile": opts.profile,
             "autograder": opts.autograder, "checks": list(opts.private),
-            "roster": roster.rows() if roster is not None else None}
+            "roster": roster.rows() if roster is not None else None,
+            "questions": questions.as_data(questions_list), "export_questions": opts.export_questions}
 
 
 def _row_data(row: Grade) -> dict:
@@ -168,7 +169,9 @@ def merge(parts: Sequence[str | Path], out_dir: str | Path) -> tuple[list[Grade]
     pairs = copies.find_pairs(rows)
     rows = gradebook.normalize(copies.flag(rows, pairs), maxima)
     class_list = Roster.from_rows(first["plan"]["roster"]) if first["plan"].get("roster") is not None else None
-    problems = gradebook.write_all(rows, maxima, out, gradebook.safe_name, pairs, class_list)
+    problems = gradebook.write_all(rows, maxima, out, gradebook.safe_name, pairs, class_list,
+                                   questions.from_data(first["plan"].get("questions")),
+                                   bool(first["plan"].get("export_questions")))
     _join_received([Path(p) for p in seen.values()], out / "received.csv")
     for part in seen.values():  # --execute: the executed notebooks and logs, student by student
         for sub in ("executed", "logs"):
