@@ -1,7 +1,7 @@
 """`labkit grade SUBMISSIONS_DIR --out OUT_DIR`: grade a class's executed notebooks (docs/grading.md).
 
-Writes OUT_DIR/grades.csv (one row per submission), summary.csv, canvas.csv, gradescope/<notebook>.csv,
-review.csv (copies to look at) and feedback/<student>.html; exit code 0 whenever the gradebook (grades.csv)
+Writes OUT_DIR/grades.csv (one row per submission, one column per question), summary.csv, canvas.csv,
+gradescope/<notebook>.csv, review.csv (copies to look at), unrostered.csv (--roster) and feedback/<student>.html; exit code 0 whenever the gradebook (grades.csv)
 was written, whatever the submissions held: a file or page that could not be written is a warning line.
 Code exercises: each exercise cell's function runs against the visible and hidden tests (--autograder) in
 the same sandbox, one process per exercise, partial credit per test. With --execute or code tests it first

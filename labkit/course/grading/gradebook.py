@@ -1,11 +1,15 @@
 """Gradebook files written by `labkit grade`: grades.csv, summary.csv, and LMS import layouts.
 
-- `grades.csv`: student,notebook,score,max_score,status,detail (one row per submission);
+- `grades.csv`: student,notebook,score,max_score,status,detail (one row per submission), then the points of
+  each question of the plan (labkit.course.grading.questions);
 - `summary.csv`: per notebook, the count of each status and the mean score;
 - `canvas.csv`: Canvas gradebook import (Student, ID, SIS User ID, SIS Login ID, Section, one column per
   notebook, a 'Points Possible' row); the student directory name goes in 'SIS Login ID';
 - `gradescope/<notebook>.csv`: Gradescope score upload (Name, SID, Email, Score); the directory name is
-  the SID, and the Email too when it looks like one.
+  the SID, and the Email too when it looks like one (with a roster: its name, id and email);
+- `unrostered.csv` (with a roster): the folders no roster line claims.
+
+File names in OUT_DIR are unique within a batch (`file_names`): a collision gets a suffix and a warning.
 
 Every file is a function of the rows and the grader's plan (`maxima`: the points possible per notebook, never
 taken from a submission), so the rows of several grading runs (shards) merge into one gradebook. `write_all`
