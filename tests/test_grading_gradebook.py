@@ -58,3 +58,49 @@ def test_question_columns_come_from_the_plan_never_from_a_row():
         CheckResult("made up", 1000, 1000, True, True, "")))
     assert [q.header for q in plan] == ["nb: a", "nb: a (2)", "other: z"]
     assert questions.earned(forged, plan) == ["2", "1", ""]  # clamped to the plan's points; no made-up column
+
+
+def test_late_policy_takes_the_time_from_gradescope_a_received_list_or_the_file_and_honours_extensions(tmp_path,
+                                                                                                       capsys):
+    import json
+    import os
+    from datetime import datetime, timezone
+
+    import pytest
+
+    from labkit.cli import main
+
+    subs = tmp_path / "subs"
+    right = zero3_7p5b_64(None)
+    for student in ("ann", "bob", "cy", "dan"):
+        (subs / student).mkdir(parents=True)
+        nbformat.write(_lab01(right), subs / student / "01_memory.ipynb")
+    meta = {"ann": "2026-12-01T16:59:59.123456-07:00", "bob": "2026-12-03T10:00:00-05:00"}  # on time; 2 days late
+    for student, when in meta.items():
+        (subs / student / "submission_metadata.json").write_text(json.dumps({"id": 1, "created_at": when}))
+    (subs / "received.csv").write_text("student,submitted_at\ncy,2026-12-02T01:00:00Z\n")  # an hour late: extension
+    late = datetime(2026, 12, 4, 12, 0, tzinfo=timezone.utc).timestamp()  # dan: only the file's time, 3 days late
+    os.utime(subs / "dan" / "01_memory.ipynb", (late, late))
+    roster = tmp_path / "roster.csv"
+    roster.write_text("id,name,email,extension\nann,,,\nbob,,,\ncy,,,0.5\ndan,,,\n")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as done:
+        main(["grade", str(subs), "--out", str(out), "--notebook", "01_memory", "--roster", str(roster),
+              "--deadline", "2026-12-02T00:00", "--late-penalty", "10", "--late-cap", "25"])
+    assert done.value.code == 0, capsys.readouterr()
+    rows = {r["student"]: r for r in _csv(out / "grades.csv")}
+    assert list(rows["ann"])[6:9] == ["submitted_at", "days_late", "late_penalty"]
+    got = {s: (r["submitted_at"], r["days_late"], r["late_penalty"], r["score"]) for s, r in rows.items()}
+    assert got == {"ann": ("2026-12-01T23:59:59Z", "0", "0", "3"), "bob": ("2026-12-03T15:00:00Z", "2", "0.6", "2.4"),
+                   "cy": ("2026-12-02T01:00:00Z", "0", "0", "3"), "dan": ("2026-12-04T12:00:00Z", "3", "0.75", "2.25")}
+    assert "late: submitted 2026-12-03T15:00:00Z (submission_metadata.json), due 2026-12-02T00:00:00Z: 2 day(s) " \
+           "late, -20% = -0.6 points" in rows["bob"]["detail"]
+    assert "(file time)" in rows["dan"]["detail"] and "-25%" in rows["dan"]["detail"]  # the cap
+    page = (out / "feedback" / "bob.html").read_text()
+    assert "Submitted 2026-12-03T15:00:00Z: 2 day(s) late: 0.6 points taken off" in page and "Total: 2.4 / 25" in page
+    assert "Submitted 2026-12-02T01:00:00Z: on time" in (out / "feedback" / "cy.html").read_text()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(["grade", str(subs), "--out", str(tmp_path / "o2"), "--deadline", "next friday"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "--deadline 'next friday' is not a time" in err and err.count("\n") == 1

@@ -16,7 +16,8 @@ from labkit.course.grading.batch import GradeOptions, listing, maxima, questions
 from labkit.course.grading.nb_checks.lab01_memory import zero3_7p5b_64
 from test_grading_shards import _lab01
 
-ROSTER = "Student ID,Name,Email,Extension\nann,Ann Lee,ann@uni.edu,\n2002,Bob Roy,bob@uni.edu,2\n3003,Cy Dee,cy@uni.edu,0.5\n"
+ROSTER = ("Student ID,Name,Email,Extension\nann,Ann Lee,ann@uni.edu,\n2002,Bob Roy,bob@uni.edu,2\n"
+          "3003,Cy Dee,cy@uni.edu,0.5\n")
 
 
 def _class(root: Path) -> tuple[Path, Path]:

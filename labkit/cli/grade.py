@@ -1,8 +1,10 @@
 """`labkit grade SUBMISSIONS_DIR --out OUT_DIR`: grade a class's executed notebooks (docs/grading.md).
 
 Writes OUT_DIR/grades.csv (one row per submission, one column per question), summary.csv, canvas.csv,
-gradescope/<notebook>.csv, review.csv (copies to look at), unrostered.csv (--roster) and feedback/<student>.html; exit code 0 whenever the gradebook (grades.csv)
-was written, whatever the submissions held: a file or page that could not be written is a warning line.
+gradescope/<notebook>.csv, review.csv (copies to look at), unrostered.csv (--roster) and
+feedback/<student>.html; exit code 0 whenever the gradebook (grades.csv) was written, whatever the submissions
+held: a file or page that could not be written is a warning line. --deadline applies the late policy
+(labkit.course.grading.late).
 Code exercises: each exercise cell's function runs against the visible and hidden tests (--autograder) in
 the same sandbox, one process per exercise, partial credit per test. With --execute or code tests it first
 prints the isolation in use, and refuses (exit 2) where there is none unless --unsafe-no-isolation is given.
@@ -21,6 +23,7 @@ from labkit.course.grading import shards as sharding
 from labkit.course.grading.batch import (GradeOptions, code_plan, isolation_for, listing, maxima, questions_for,
                                          roster_of, run_batch)
 from labkit.course.grading.evaluate import Grade
+from labkit.course.grading.late import LatePolicy
 from labkit.course.grading.registry import load_file
 from labkit.course.grading.sandbox import Limits
 from labkit.errors import GradingError
@@ -65,11 +68,16 @@ def _progress(row: Grade) -> None:
 @click.option("--export-questions", is_flag=True,
               help="Also put the points of every check and test into canvas.csv and gradescope/ (grades.csv always "
                    "has them).")
+@click.option("--deadline", default=None, metavar="TIME",
+              help="Due time, ISO (2026-12-01T23:59 is UTC; or give an offset, 2026-12-01T23:59-05:00); late rows lose "
+                   "--late-penalty percent a started day (roster extensions add days).")
+@click.option("--late-penalty", type=float, default=10.0, show_default=True, help="Percent lost per day late.")
+@click.option("--late-cap", type=float, default=100.0, show_default=True, help="Most percent lateness can cost.")
 @click.option("--shard", default=None, metavar="I/K",
               help="Grade only shard I of K (students split by name; what each SLURM task runs).")
 def command(submissions_dir, out_dir, notebook, execute, profile, timeout, workers, memory_gib, output_mib,
             checks_file, kernel, scratch_mib, autograder, exercise_timeout, unsafe_no_isolation, emit, shards, shard,
-            roster, export_questions):
+            roster, export_questions, deadline, late_penalty, late_cap):
     """Grade SUBMISSIONS_DIR/<student>/<notebook>.ipynb on recorded results (or re-executed with --execute),
     and the code exercises' cells on their visible + hidden tests (sandboxed).
 
@@ -89,7 +97,8 @@ def command(submissions_dir, out_dir, notebook, execute, profile, timeout, worke
                         limits=limits, private=(checks_file,) if checks_file else (),
                         unsafe_no_isolation=unsafe_no_isolation, autograder=autograder,
                         exercise_timeout_s=exercise_timeout, roster=roster,
-                        export_questions=export_questions)
+                        export_questions=export_questions,
+                        late=LatePolicy(deadline, late_penalty, late_cap) if deadline else None)
     class_list = roster_of(opts)  # a malformed roster is a GradingError (exit 2) naming its line
     if class_list is not None:
         click.echo(f"roster: {len(class_list.students)} students")
@@ -127,7 +136,9 @@ def _emit(submissions_dir, out_dir, opts: GradeOptions, shards, checks_file, mem
             *(["--autograder", str(Path(opts.autograder).resolve())] if opts.autograder else []),
             *(["--unsafe-no-isolation"] if opts.unsafe_no_isolation else []),
             *(["--roster", str(Path(opts.roster).resolve())] if opts.roster else []),
-            *(["--export-questions"] if opts.export_questions else [])]
+            *(["--export-questions"] if opts.export_questions else []),
+            *(["--deadline", opts.late.deadline, "--late-penalty", f"{opts.late.per_day:g}", "--late-cap",
+               f"{opts.late.cap:g}"] if opts.late else [])]
 
     def seconds(sub) -> float:  # a generous bound: execution, then every exercise's whole budget
         exercises = len(code_plan(sub.notebook, opts).exercises) if sub.notebook else 0

@@ -17,13 +17,14 @@ from typing import Callable
 
 from labkit.course.exercises import grading as exercise_grading
 from labkit.errors import ConfigError, GradingError
-from labkit.course.grading import copies, gradebook, isolation, questions, roster, sandbox, tamper, workspace
+from labkit.course.grading import copies, gradebook, isolation, late, questions, roster, sandbox, tamper, workspace
 from labkit.course.grading.evaluate import (DEFAULT_MAX_BYTES, ERROR, INVALID, MISSING, TAMPERED, TIMEOUT, Grade,
                                      SubmissionProblem, check_identity, grade_notebook, join_reasons,
                                      load_notebook)
 from labkit.course.grading.evidence import cell_number, collect, error_of
 from labkit.course.grading.gradebook import safe_name
 from labkit.course.grading.isolation import Isolation
+from labkit.course.grading.late import LatePolicy
 from labkit.course.grading.registry import checks_for
 from labkit.course.grading.submissions import Submission, find_submissions, with_roster
 
@@ -54,6 +55,8 @@ class GradeOptions:
     export_questions: bool = False
     """Also put the points per question (every check and test) into canvas.csv and gradescope/ (grades.csv
     always has them)."""
+    late: LatePolicy | None = None
+    """--deadline and its penalty (labkit.course.grading.late); None: nobody is late."""
     roster: str | None = None
     """CSV of the class (labkit.course.grading.roster): every rostered student gets a row, missing or not."""
 
@@ -296,7 +299,8 @@ class BatchResult:
 
 def _grade_copies(subs: list[Submission], opts: GradeOptions, out_dir: Path, hidden: tuple[Path, ...],
                   progress: Callable[[Grade], None] | None) -> list[Grade]:
-    """Copy every submission into a private workspace, grade the copies, note originals that changed."""
+    """Copy every submission into a private workspace, grade the copies, note originals that changed, and apply
+    the late policy (`hidden[0]`: the submissions folder)."""
     code = any(code_plan(s.notebook, opts).exercises for s in subs if s.notebook)
     box = Sandboxing(isolation_for(opts), private_paths(opts, *hidden)) if opts.execute or code else None
     received: dict[int, workspace.Received] = {}
@@ -319,7 +323,10 @@ def _grade_copies(subs: list[Submission], opts: GradeOptions, out_dir: Path, hid
     for row in rows:
         note = notes.get((row.student, row.notebook), (None, None))[1]
         out.append(replace(row, detail=f"{row.detail}; {note}" if row.detail else note) if note else row)
-    return out
+    if opts.late is None:
+        return out
+    mtimes = {(subs[i].student, subs[i].notebook): rec.mtime for i, rec in received.items()}
+    return late.apply(out, opts.late, late.submission_times(hidden[0], subs, mtimes), roster_of(opts))
 
 
 def questions_for(notebooks, opts: GradeOptions) -> list[questions.Question]:

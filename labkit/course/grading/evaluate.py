@@ -52,6 +52,11 @@ class Grade:
     """Digests of the measured values of its recorded runs (labkit.course.grading.copies: a copy shares them)."""
     review: str = ""
     """A note for the instructor (grades.csv, never the student's feedback): e.g. runs identical to another's."""
+    submitted_at: str = ""
+    """When it was handed in (UTC, labkit.course.grading.late), set only under a --deadline."""
+    days_late: int = 0
+    late_penalty: float = 0.0
+    """Points taken from `score` for lateness (already deducted)."""
 
 
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a device"),

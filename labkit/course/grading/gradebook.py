@@ -33,6 +33,7 @@ from labkit.course.grading.text import csv_field as _text
 
 GRADES_COLUMNS = ("student", "notebook", "score", "max_score", "status", "detail")
 CANVAS_ID_COLUMNS = ("Student", "ID", "SIS User ID", "SIS Login ID", "Section")
+LATE_COLUMNS = ("submitted_at", "days_late", "late_penalty")
 def normalize(rows: Sequence[Grade], maxima: dict[str, float]) -> list[Grade]:
     """Every row out of the plan's maximum for its notebook (`maxima`), its score within [0, that maximum]:
     nothing a submission made of its row changes what is possible, for it or for anyone else."""
@@ -95,10 +96,18 @@ def _write(path: Path, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> 
 
 
 def write_grades(rows: Sequence[Grade], path: Path, questions: Sequence = ()) -> Path:
-    """grades.csv: the GRADES_COLUMNS, then the points of each question (labkit.course.grading.questions)."""
-    return _write(path, [*GRADES_COLUMNS, *(_text(q.header) for q in questions)],
+    """grades.csv: the GRADES_COLUMNS, under a deadline `submitted_at, days_late, late_penalty`
+    (labkit.course.grading.late), then the points of each question (labkit.course.grading.questions)."""
+    timed = any(r.submitted_at for r in rows)
+
+    def late(r: Grade) -> list[str]:
+        return [_text(r.submitted_at), str(r.days_late) if r.submitted_at else "",
+                _num(r.late_penalty) if r.submitted_at else ""] if timed else []
+
+    return _write(path, [*GRADES_COLUMNS, *(LATE_COLUMNS if timed else ()), *(_text(q.header) for q in questions)],
                   ([_text(r.student), _text(r.notebook), _num(r.score), _num(r.max_score), r.status,
-                    _text("; ".join(filter(None, (r.detail, r.review)))), *earned(r, questions)] for r in rows))
+                    _text("; ".join(filter(None, (r.detail, r.review)))), *late(r), *earned(r, questions)]
+                   for r in rows))
 
 
 def summary(rows: Sequence[Grade]) -> list[dict[str, Any]]:
@@ -170,7 +179,8 @@ def write_unrostered(rows: Sequence[Grade], path: Path, roster) -> list[str]:
             folders[r.student].append(r.notebook)
     _write(path, ("folder", "notebooks"), ([_text(f), _text(" ".join(filter(None, nbs)))]
                                            for f, nbs in sorted(folders.items())))
-    return [f"the folder {clean(f, 80)!r} is on no line of the roster (graded; unrostered.csv)" for f in sorted(folders)]
+    return [f"the folder {clean(f, 80)!r} is on no line of the roster (graded; unrostered.csv)"
+            for f in sorted(folders)]
 
 
 def write_all(rows: Sequence[Grade], maxima: dict[str, float], out_dir: Path, file_name=safe_name,

@@ -67,7 +67,8 @@ def plan_of(opts, maxima: dict[str, float], roster=None, questions_list=()) -> d
     return {"maxima": maxima, "notebook": opts.notebook, "execute": opts.execute, "profile": opts.profile,
             "autograder": opts.autograder, "checks": list(opts.private),
             "roster": roster.rows() if roster is not None else None,
-            "questions": questions.as_data(questions_list), "export_questions": opts.export_questions}
+            "questions": questions.as_data(questions_list), "export_questions": opts.export_questions,
+            "late": asdict(opts.late) if opts.late is not None else None}
 
 
 def _row_data(row: Grade) -> dict:

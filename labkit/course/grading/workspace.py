@@ -28,6 +28,8 @@ class Received:
     sha256: str
     """Of the bytes copied."""
     size: int
+    mtime: float = 0.0
+    """The original's modification time when it was read (a late policy's last resort)."""
 
 
 def take(original: Path, root: Path, index: int, max_bytes: int) -> Received:
@@ -37,7 +39,11 @@ def take(original: Path, root: Path, index: int, max_bytes: int) -> Received:
     copy = root / f"{index:05d}" / original.name
     copy.parent.mkdir(parents=True)
     copy.write_bytes(data)
-    return Received(original, copy, hashlib.sha256(data).hexdigest(), len(data))
+    try:
+        mtime = os.lstat(original).st_mtime
+    except OSError:
+        mtime = 0.0
+    return Received(original, copy, hashlib.sha256(data).hexdigest(), len(data), mtime)
 
 
 def changed(received: Received, max_bytes: int) -> str | None:
