@@ -31,6 +31,15 @@ from labkit.profiles import get_profile
 from labkit.results import format_table
 
 
+def _review(pair) -> None:
+    if hasattr(pair, "similarity"):
+        click.echo(f"review: {pair.student} and {pair.other} ({pair.notebook}): exercise code "
+                   f"{pair.similarity:.0%} alike ({pair.page})")
+    else:
+        click.echo(f"review: {pair.student} and {pair.other} ({pair.notebook}): {pair.runs} recorded run(s) identical"
+                   f"{' (the same seals)' if pair.same_seals else ' under other seals'}")
+
+
 def _progress(row: Grade) -> None:
     click.echo(f"{row.status:>8}  {row.student}/{row.notebook or '-'}  {row.score:g}/{row.max_score:g}  "
                f"{row.detail[:100]}")
@@ -68,6 +77,8 @@ def _progress(row: Grade) -> None:
 @click.option("--export-questions", is_flag=True,
               help="Also put the points of every check and test into canvas.csv and gradescope/ (grades.csv always "
                    "has them).")
+@click.option("--similarity", type=float, default=0.7, show_default=True,
+              help="Exercise code at least this alike (0-1, winnowing as MOSS does) goes to review.csv; 0: off.")
 @click.option("--deadline", default=None, metavar="TIME",
               help="Due time, ISO (2026-12-01T23:59 is UTC; or give an offset, 2026-12-01T23:59-05:00); late rows lose "
                    "--late-penalty percent a started day (roster extensions add days).")
@@ -77,7 +88,7 @@ def _progress(row: Grade) -> None:
               help="Grade only shard I of K (students split by name; what each SLURM task runs).")
 def command(submissions_dir, out_dir, notebook, execute, profile, timeout, workers, memory_gib, output_mib,
             checks_file, kernel, scratch_mib, autograder, exercise_timeout, unsafe_no_isolation, emit, shards, shard,
-            roster, export_questions, deadline, late_penalty, late_cap):
+            roster, export_questions, deadline, late_penalty, late_cap, similarity):
     """Grade SUBMISSIONS_DIR/<student>/<notebook>.ipynb on recorded results (or re-executed with --execute),
     and the code exercises' cells on their visible + hidden tests (sandboxed).
 
@@ -98,7 +109,8 @@ def command(submissions_dir, out_dir, notebook, execute, profile, timeout, worke
                         unsafe_no_isolation=unsafe_no_isolation, autograder=autograder,
                         exercise_timeout_s=exercise_timeout, roster=roster,
                         export_questions=export_questions,
-                        late=LatePolicy(deadline, late_penalty, late_cap) if deadline else None)
+                        late=LatePolicy(deadline, late_penalty, late_cap) if deadline else None,
+                        similarity=similarity)
     class_list = roster_of(opts)  # a malformed roster is a GradingError (exit 2) naming its line
     if class_list is not None:
         click.echo(f"roster: {len(class_list.students)} students")
@@ -118,9 +130,8 @@ def command(submissions_dir, out_dir, notebook, execute, profile, timeout, worke
     click.echo(format_table(result.summary))
     click.echo(f"wrote {result.out_dir / 'grades.csv'} ({len(result.rows)} rows), summary.csv, canvas.csv, "
                f"received.csv, review.csv, gradescope/, feedback/")
-    for pair in result.pairs:
-        click.echo(f"review: {pair.student} and {pair.other} ({pair.notebook}): {pair.runs} recorded run(s) identical"
-                   f"{' (the same seals)' if pair.same_seals else ' under other seals'}")
+    for pair in (*result.pairs, *result.code_pairs):
+        _review(pair)
     for problem in result.problems:  # the gradebook is written: say what is missing, still exit 0
         click.echo(f"warning: {problem}")
     return 0
@@ -137,6 +148,7 @@ def _emit(submissions_dir, out_dir, opts: GradeOptions, shards, checks_file, mem
             *(["--unsafe-no-isolation"] if opts.unsafe_no_isolation else []),
             *(["--roster", str(Path(opts.roster).resolve())] if opts.roster else []),
             *(["--export-questions"] if opts.export_questions else []),
+            "--similarity", f"{opts.similarity:g}",
             *(["--deadline", opts.late.deadline, "--late-penalty", f"{opts.late.per_day:g}", "--late-cap",
                f"{opts.late.cap:g}"] if opts.late else [])]
 
@@ -159,7 +171,7 @@ def _merge(parts, out_dir):
     click.echo(f"merged {len(parts)} shard(s): wrote {Path(out_dir) / 'grades.csv'} ({len(rows)} rows), summary.csv, "
                "canvas.csv, received.csv, review.csv, gradescope/, feedback/")
     for pair in pairs:
-        click.echo(f"review: {pair.student} and {pair.other} ({pair.notebook}): {pair.runs} recorded run(s) identical")
+        _review(pair)
     for problem in problems:
         click.echo(f"warning: {problem}")
     return 0

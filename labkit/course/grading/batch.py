@@ -17,7 +17,8 @@ from typing import Callable
 
 from labkit.course.exercises import grading as exercise_grading
 from labkit.errors import ConfigError, GradingError
-from labkit.course.grading import copies, gradebook, isolation, late, questions, roster, sandbox, tamper, workspace
+from labkit.course.grading import (copies, gradebook, isolation, late, questions, roster, sandbox, similarity,
+                                   tamper, workspace)
 from labkit.course.grading.evaluate import (DEFAULT_MAX_BYTES, ERROR, INVALID, MISSING, TAMPERED, TIMEOUT, Grade,
                                      SubmissionProblem, check_identity, grade_notebook, join_reasons,
                                      load_notebook)
@@ -55,6 +56,8 @@ class GradeOptions:
     export_questions: bool = False
     """Also put the points per question (every check and test) into canvas.csv and gradescope/ (grades.csv
     always has them)."""
+    similarity: float = similarity.DEFAULT_THRESHOLD
+    """Exercise code this alike (0-1, labkit.course.grading.similarity) puts a pair in review.csv; 0: off."""
     late: LatePolicy | None = None
     """--deadline and its penalty (labkit.course.grading.late); None: nobody is late."""
     roster: str | None = None
@@ -63,6 +66,8 @@ class GradeOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ConfigError(f"workers={self.workers!r}; give a positive integer")
+        if not 0 <= self.similarity <= 1:
+            raise ConfigError(f"--similarity {self.similarity!r}; give a fraction between 0 (off) and 1")
 
 
 def _max_score(notebook: str, opts: GradeOptions | None = None) -> float:
@@ -146,7 +151,8 @@ def _grade(sub: Submission, opts: GradeOptions, out_dir: Path, box: Sandboxing |
         raise SubmissionProblem(INVALID, f"{sub.path.name} is not a graded course notebook ({exc})") from exc
     nb = load_notebook(sub.path, max_bytes=opts.max_bytes)
     check_identity(nb, sub.notebook)
-    marks = {"digests": _digests(nb), "signatures": copies.signatures(nb)}  # what was submitted, in both modes
+    marks = {"digests": _digests(nb), "signatures": copies.signatures(nb),  # what was submitted, in both modes
+             "code": similarity.code_of(nb)}
     try:
         return replace(_graded(nb, checks, sub, opts, out_dir, box), **marks)
     except SubmissionProblem as exc:
@@ -295,6 +301,8 @@ class BatchResult:
     """copies.Pair: submissions whose recorded runs are identical (review.csv)."""
     problems: tuple[str, ...] = ()
     """Gradebook files (other than grades.csv) or feedback pages that could not be written, one line each."""
+    code_pairs: tuple = ()
+    """similarity.CodePair: submissions whose exercise code is alike (review.csv, review/)."""
 
 
 def _grade_copies(subs: list[Submission], opts: GradeOptions, out_dir: Path, hidden: tuple[Path, ...],
@@ -366,8 +374,9 @@ def run_batch(submissions_dir: str | Path, out_dir: str | Path, opts: GradeOptio
     hidden = (Path(submissions_dir), out_dir)
     rows = _grade_copies(subs, opts, out_dir, hidden, progress)
     pairs, most = copies.find_pairs(rows), maxima(rows, opts)
-    rows = gradebook.normalize(copies.flag(rows, pairs), most)
+    code_pairs = similarity.find_pairs(rows, opts.similarity)
+    rows = gradebook.normalize(similarity.flag(copies.flag(rows, pairs), code_pairs), most)
     problems = gradebook.write_all(rows, most, out_dir, safe_name, pairs, roster_of(opts), questions_for(most, opts),
-                                   opts.export_questions)
+                                   opts.export_questions, code_pairs)
     return BatchResult(rows, out_dir, gradebook.summary(rows), isolation_for(opts) if opts.execute else None,
-                       tuple(pairs), tuple(problems))
+                       tuple(pairs), tuple(problems), tuple(code_pairs))

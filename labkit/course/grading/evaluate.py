@@ -52,6 +52,8 @@ class Grade:
     """Digests of the measured values of its recorded runs (labkit.course.grading.copies: a copy shares them)."""
     review: str = ""
     """A note for the instructor (grades.csv, never the student's feedback): e.g. runs identical to another's."""
+    code: str = ""
+    """The submitted exercise cells (labkit.course.grading.similarity compares them across students)."""
     submitted_at: str = ""
     """When it was handed in (UTC, labkit.course.grading.late), set only under a --deadline."""
     days_late: int = 0

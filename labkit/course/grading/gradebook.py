@@ -184,10 +184,11 @@ def write_unrostered(rows: Sequence[Grade], path: Path, roster) -> list[str]:
 
 
 def write_all(rows: Sequence[Grade], maxima: dict[str, float], out_dir: Path, file_name=safe_name,
-              pairs: Sequence = (), roster=None, questions: Sequence = (), export_questions: bool = False) -> list[str]:
+              pairs: Sequence = (), roster=None, questions: Sequence = (), export_questions: bool = False,
+              code_pairs: Sequence = ()) -> list[str]:
     """Write grades.csv (first: an OSError there is the caller's), then summary.csv, canvas.csv, gradescope/,
     review.csv and feedback/, each on its own; the problems of those that failed, one line each."""
-    from labkit.course.grading import copies, feedback
+    from labkit.course.grading import copies, feedback, similarity
 
     rows = normalize(rows, maxima)
     write_grades(rows, out_dir / "grades.csv", questions)
@@ -195,8 +196,9 @@ def write_all(rows: Sequence[Grade], maxima: dict[str, float], out_dir: Path, fi
     writers = {"summary.csv": lambda: write_summary(rows, out_dir / "summary.csv"),
                "canvas.csv": lambda: write_canvas(rows, out_dir / "canvas.csv", maxima, roster, exported),
                "gradescope/": lambda: write_gradescope(rows, out_dir / "gradescope", roster, exported),
-               "review.csv": lambda: copies.write_review(list(pairs), out_dir / "review.csv")}
-    problems = []
+               "review.csv": lambda: copies.write_review(list(pairs), out_dir / "review.csv", code_pairs),
+               "review/": lambda: problems.extend(similarity.write_pages(code_pairs, out_dir))}
+    problems: list[str] = []
     for name, write in writers.items():
         try:
             write()

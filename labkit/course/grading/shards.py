@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
-from labkit.course.grading import copies, gradebook, questions
+from labkit.course.grading import copies, gradebook, questions, similarity
 from labkit.course.grading.checks import CheckResult
 from labkit.course.grading.evaluate import Grade
 from labkit.course.grading.roster import Roster
@@ -68,7 +68,7 @@ def plan_of(opts, maxima: dict[str, float], roster=None, questions_list=()) -> d
             "autograder": opts.autograder, "checks": list(opts.private),
             "roster": roster.rows() if roster is not None else None,
             "questions": questions.as_data(questions_list), "export_questions": opts.export_questions,
-            "late": asdict(opts.late) if opts.late is not None else None}
+            "late": asdict(opts.late) if opts.late is not None else None, "similarity": opts.similarity}
 
 
 def _row_data(row: Grade) -> dict:
@@ -168,17 +168,18 @@ def merge(parts: Sequence[str | Path], out_dir: str | Path) -> tuple[list[Grade]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pairs = copies.find_pairs(rows)
-    rows = gradebook.normalize(copies.flag(rows, pairs), maxima)
+    code_pairs = similarity.find_pairs(rows, first["plan"].get("similarity", 0))
+    rows = gradebook.normalize(similarity.flag(copies.flag(rows, pairs), code_pairs), maxima)
     class_list = Roster.from_rows(first["plan"]["roster"]) if first["plan"].get("roster") is not None else None
     problems = gradebook.write_all(rows, maxima, out, gradebook.safe_name, pairs, class_list,
                                    questions.from_data(first["plan"].get("questions")),
-                                   bool(first["plan"].get("export_questions")))
+                                   bool(first["plan"].get("export_questions")), code_pairs)
     _join_received([Path(p) for p in seen.values()], out / "received.csv")
     for part in seen.values():  # --execute: the executed notebooks and logs, student by student
         for sub in ("executed", "logs"):
             if (part / sub).is_dir():
                 shutil.copytree(part / sub, out / sub, dirs_exist_ok=True)
-    return rows, pairs, problems
+    return rows, pairs + code_pairs, problems
 
 
 def _join_received(parts: list[Path], path: Path) -> None:
