@@ -19,6 +19,7 @@ import click
 
 from pathlib import Path
 
+from labkit.course.grading import manual
 from labkit.course.grading import shards as sharding
 from labkit.course.grading.batch import (GradeOptions, code_plan, isolation_for, listing, maxima, questions_for,
                                          roster_of, run_batch)
@@ -46,8 +47,9 @@ def _progress(row: Grade) -> None:
 
 
 @click.command("grade")
-@click.argument("submissions_dir", nargs=-1, required=True, metavar="SUBMISSIONS_DIR | merge OUT_PARTS...")
-@click.option("--out", "out_dir", required=True, type=click.Path(), help="Where grades and feedback go.")
+@click.argument("submissions_dir", nargs=-1, required=True,
+                metavar="SUBMISSIONS_DIR | merge OUT_PARTS... | review OUT_DIR")
+@click.option("--out", "out_dir", default=None, type=click.Path(), help="Where grades and feedback go.")
 @click.option("--notebook", default=None, help="Grade only <student>/NOTEBOOK.ipynb, e.g. 01_memory.")
 @click.option("--execute", is_flag=True, help="Re-run each notebook with papermill in a sandbox first.")
 @click.option("--profile", default="smoke", show_default=True, help="PROFILE injected when executing.")
@@ -79,6 +81,8 @@ def _progress(row: Grade) -> None:
                    "has them).")
 @click.option("--similarity", type=float, default=0.7, show_default=True,
               help="Exercise code at least this alike (0-1, winnowing as MOSS does) goes to review.csv; 0: off.")
+@click.option("--marks", type=click.Path(dir_okay=False), default=None,
+              help="The TA's marks of manual questions (default: OUT/marks.json, written by OUT/review.ipynb).")
 @click.option("--deadline", default=None, metavar="TIME",
               help="Due time, ISO (2026-12-01T23:59 is UTC; or give an offset, 2026-12-01T23:59-05:00); late rows lose "
                    "--late-penalty percent a started day (roster extensions add days).")
@@ -88,11 +92,16 @@ def _progress(row: Grade) -> None:
               help="Grade only shard I of K (students split by name; what each SLURM task runs).")
 def command(submissions_dir, out_dir, notebook, execute, profile, timeout, workers, memory_gib, output_mib,
             checks_file, kernel, scratch_mib, autograder, exercise_timeout, unsafe_no_isolation, emit, shards, shard,
-            roster, export_questions, deadline, late_penalty, late_cap, similarity):
+            roster, export_questions, deadline, late_penalty, late_cap, similarity, marks):
     """Grade SUBMISSIONS_DIR/<student>/<notebook>.ipynb on recorded results (or re-executed with --execute),
     and the code exercises' cells on their visible + hidden tests (sandboxed).
 
-    `labkit grade merge OUT_PARTS... --out OUT` joins the shards of `--emit slurm` into one gradebook."""
+    `labkit grade merge OUT_PARTS... --out OUT` joins the shards of `--emit slurm` into one gradebook;
+    `labkit grade review OUT_DIR` writes OUT_DIR/review.ipynb, where a TA marks the free-text (manual) answers."""
+    if submissions_dir[0] == "review":
+        return _review_notebook(submissions_dir[1:])
+    if out_dir is None:
+        raise GradingError("--out OUT_DIR is missing: where the gradebook goes (labkit grade SUBMISSIONS --out OUT)")
     if submissions_dir[0] == "merge":
         return _merge(submissions_dir[1:], out_dir)
     if len(submissions_dir) != 1:
@@ -110,7 +119,7 @@ def command(submissions_dir, out_dir, notebook, execute, profile, timeout, worke
                         exercise_timeout_s=exercise_timeout, roster=roster,
                         export_questions=export_questions,
                         late=LatePolicy(deadline, late_penalty, late_cap) if deadline else None,
-                        similarity=similarity)
+                        similarity=similarity, marks=marks)
     class_list = roster_of(opts)  # a malformed roster is a GradingError (exit 2) naming its line
     if class_list is not None:
         click.echo(f"roster: {len(class_list.students)} students")
@@ -162,6 +171,17 @@ def _emit(submissions_dir, out_dir, opts: GradeOptions, shards, checks_file, mem
                f"({len(subs)} submissions)")
     click.echo(f"submit: sbatch {path}")
     click.echo(f"then:   labkit grade merge {Path(out_dir) / 'parts'}/shard-* --out {out_dir}")
+    return 0
+
+
+def _review_notebook(args):
+    if len(args) != 1:
+        raise GradingError("labkit grade review OUT_DIR: give the one folder `labkit grade --out` wrote")
+    path, written = manual.write_notebook(args[0])
+    click.echo(f"{'wrote' if written else 'kept the existing'} {path}: open it in Jupyter, run its cell, mark each "
+               "answer (saved to marks.json at once)")
+    click.echo(f"then: labkit grade SUBMISSIONS --out {args[0]} (the same options): the marks go into grades.csv and "
+               "feedback/")
     return 0
 
 

@@ -17,8 +17,8 @@ from typing import Callable
 
 from labkit.course.exercises import grading as exercise_grading
 from labkit.errors import ConfigError, GradingError
-from labkit.course.grading import (copies, gradebook, isolation, late, questions, roster, sandbox, similarity,
-                                   tamper, workspace)
+from labkit.course.grading import (copies, gradebook, isolation, late, manual, questions, roster, sandbox,
+                                   similarity, tamper, workspace)
 from labkit.course.grading.evaluate import (DEFAULT_MAX_BYTES, ERROR, INVALID, MISSING, TAMPERED, TIMEOUT, Grade,
                                      SubmissionProblem, check_identity, grade_notebook, join_reasons,
                                      load_notebook)
@@ -60,6 +60,8 @@ class GradeOptions:
     """Exercise code this alike (0-1, labkit.course.grading.similarity) puts a pair in review.csv; 0: off."""
     late: LatePolicy | None = None
     """--deadline and its penalty (labkit.course.grading.late); None: nobody is late."""
+    marks: str | None = None
+    """The TA's marks of manual questions (labkit grade review); None: OUT_DIR/marks.json when it exists."""
     roster: str | None = None
     """CSV of the class (labkit.course.grading.roster): every rostered student gets a row, missing or not."""
 
@@ -373,6 +375,8 @@ def run_batch(submissions_dir: str | Path, out_dir: str | Path, opts: GradeOptio
     out_dir.mkdir(parents=True, exist_ok=True)
     hidden = (Path(submissions_dir), out_dir)
     rows = _grade_copies(subs, opts, out_dir, hidden, progress)
+    rows = manual.apply(rows, manual.load_marks(Path(opts.marks) if opts.marks else out_dir / manual.MARKS),
+                        opts.late)
     pairs, most = copies.find_pairs(rows), maxima(rows, opts)
     code_pairs = similarity.find_pairs(rows, opts.similarity)
     rows = gradebook.normalize(similarity.flag(copies.flag(rows, pairs), code_pairs), most)

@@ -54,6 +54,8 @@ class Grade:
     """A note for the instructor (grades.csv, never the student's feedback): e.g. runs identical to another's."""
     code: str = ""
     """The submitted exercise cells (labkit.course.grading.similarity compares them across students)."""
+    answers: tuple[tuple[str, str], ...] = ()
+    """(check name, answer text) of its `manual` checks, for the TA's review (labkit.course.grading.manual)."""
     submitted_at: str = ""
     """When it was handed in (UTC, labkit.course.grading.late), set only under a --deadline."""
     days_late: int = 0
@@ -216,4 +218,19 @@ def grade_notebook(nb, notebook: str, checks: Sequence[Check], *, student: str =
         return Grade(student, notebook, exc.status, 0.0, max_score, str(exc))
     results = run_checks(nb, notebook, checks)
     score = float(sum(r.earned for r in results))
-    return Grade(student, notebook, GRADED, score, max_score, summarize(results), results)
+    return Grade(student, notebook, GRADED, score, max_score, summarize(results), results,
+                 answers=manual_answers(nb, notebook, checks))
+
+
+def manual_answers(nb, notebook: str, checks: Sequence[Check]) -> tuple[tuple[str, str], ...]:
+    """(name, text) of the answer each `manual` check reads (20,000 characters at most)."""
+    from labkit.course.grading.text import clean
+
+    evidence, out = Evidence.from_notebook(nb, notebook), []
+    for check in checks:
+        if check.kind == "manual" and check.reads:
+            try:
+                out.append((check.name, clean(evidence.answer(check.reads[0][1]), 20_000)))
+            except Exception:  # noqa: BLE001 - no such answer: nothing to mark
+                continue
+    return tuple(out)

@@ -188,7 +188,7 @@ def write_all(rows: Sequence[Grade], maxima: dict[str, float], out_dir: Path, fi
               code_pairs: Sequence = ()) -> list[str]:
     """Write grades.csv (first: an OSError there is the caller's), then summary.csv, canvas.csv, gradescope/,
     review.csv and feedback/, each on its own; the problems of those that failed, one line each."""
-    from labkit.course.grading import copies, feedback, similarity
+    from labkit.course.grading import copies, feedback, manual, similarity
 
     rows = normalize(rows, maxima)
     write_grades(rows, out_dir / "grades.csv", questions)
@@ -204,6 +204,10 @@ def write_all(rows: Sequence[Grade], maxima: dict[str, float], out_dir: Path, fi
             write()
         except Exception as exc:  # noqa: BLE001 - one file's failure never costs the others
             problems.append(f"{name} not written: {type(exc).__name__}: {clean(exc, 200)}")
+    try:
+        manual.write_answers(rows, out_dir)
+    except OSError as exc:
+        problems.append(f"manual.json not written: {exc.strerror}")
     if roster is not None:
         try:
             problems += write_unrostered(rows, out_dir / "unrostered.csv", roster)

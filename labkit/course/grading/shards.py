@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
-from labkit.course.grading import copies, gradebook, questions, similarity
+from labkit.course.grading import copies, gradebook, manual, questions, similarity
+from labkit.course.grading.late import LatePolicy
 from labkit.course.grading.checks import CheckResult
 from labkit.course.grading.evaluate import Grade
 from labkit.course.grading.roster import Roster
@@ -80,6 +81,7 @@ def _row(data: dict) -> Grade:
     fields["results"] = tuple(CheckResult(**r) for r in fields["results"])
     for key in ("digests", "signatures"):
         fields[key] = tuple(fields[key])
+    fields["answers"] = tuple(tuple(a) for a in fields.get("answers", ()))
     return Grade(**fields)
 
 
@@ -164,6 +166,8 @@ def merge(parts: Sequence[str | Path], out_dir: str | Path) -> tuple[list[Grade]
         raise GradingError(f"shard(s) {ids} of {count} missing; run them (sbatch --array={ids} OUT/slurm/grade.sbatch, "
                            f"or SLURM_ARRAY_TASK_ID={missing[0]} bash OUT/slurm/grade.sbatch) and merge again")
     rows = sorted((_row(r) for d in datas.values() for r in d["rows"]), key=lambda r: (r.student, r.notebook))
+    policy = LatePolicy(**first["plan"]["late"]) if first["plan"].get("late") else None
+    rows = manual.apply(rows, manual.load_marks(Path(out_dir) / manual.MARKS), policy)
     maxima = first["plan"]["maxima"]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
