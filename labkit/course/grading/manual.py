@@ -128,7 +128,8 @@ def write_notebook(out_dir: str | Path) -> tuple[Path, bool]:
                           "folder at once. Then run `labkit grade SUBMISSIONS --out THIS_FOLDER` again: the marks "
                           "go into grades.csv and each student's feedback (the comment is what they read)."),
         new_code_cell('from labkit.course.grading.manual import review_widget\n\nreview_widget(".")')],
-        metadata={"kernelspec": {"name": "labkit", "display_name": "labkit", "language": "python"}})
+        metadata={"kernelspec": {"name": "labkit", "display_name": "labkit (Python 3)", "language": "python"},
+                  "language_info": {"name": "python"}})  # as the course notebooks: JupyterLab starts it unasked
     nbformat.write(nb, str(path))
     return path, True
 
