@@ -17,8 +17,8 @@ from typing import Callable
 
 from labkit.course.exercises import grading as exercise_grading
 from labkit.errors import ConfigError, GradingError
-from labkit.course.grading import (copies, gradebook, isolation, late, manual, questions, roster, sandbox,
-                                   similarity, tamper, workspace)
+from labkit.course.grading import (copies, gradebook, isolation, late, manual, questions, report, roster,
+                                   sandbox, similarity, tamper, workspace)
 from labkit.course.grading.evaluate import (DEFAULT_MAX_BYTES, ERROR, INVALID, MISSING, TAMPERED, TIMEOUT, Grade,
                                      SubmissionProblem, check_identity, grade_notebook, join_reasons,
                                      load_notebook)
@@ -154,7 +154,7 @@ def _grade(sub: Submission, opts: GradeOptions, out_dir: Path, box: Sandboxing |
     nb = load_notebook(sub.path, max_bytes=opts.max_bytes)
     check_identity(nb, sub.notebook)
     marks = {"digests": _digests(nb), "signatures": copies.signatures(nb),  # what was submitted, in both modes
-             "code": similarity.code_of(nb)}
+             "code": similarity.code_of(nb), "runs": report.runs_of(nb)}
     try:
         return replace(_graded(nb, checks, sub, opts, out_dir, box), **marks)
     except SubmissionProblem as exc:

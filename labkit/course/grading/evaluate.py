@@ -54,6 +54,8 @@ class Grade:
     """A note for the instructor (grades.csv, never the student's feedback): e.g. runs identical to another's."""
     code: str = ""
     """The submitted exercise cells (labkit.course.grading.similarity compares them across students)."""
+    runs: tuple[tuple, ...] = ()
+    """(key, strategy, ranks, throughput, peak GiB) of its recorded runs (report.html, labkit.course.grading.report)."""
     answers: tuple[tuple[str, str], ...] = ()
     """(check name, answer text) of its `manual` checks, for the TA's review (labkit.course.grading.manual)."""
     submitted_at: str = ""

@@ -187,8 +187,9 @@ def write_all(rows: Sequence[Grade], maxima: dict[str, float], out_dir: Path, fi
               pairs: Sequence = (), roster=None, questions: Sequence = (), export_questions: bool = False,
               code_pairs: Sequence = ()) -> list[str]:
     """Write grades.csv (first: an OSError there is the caller's), then summary.csv, canvas.csv, gradescope/,
-    review.csv and feedback/, each on its own; the problems of those that failed, one line each."""
-    from labkit.course.grading import copies, feedback, manual, similarity
+    review.csv, review/, report.html, manual.json, unrostered.csv and feedback/, each on its own; the problems of
+    those that failed, one line each."""
+    from labkit.course.grading import copies, feedback, manual, report, similarity
 
     rows = normalize(rows, maxima)
     write_grades(rows, out_dir / "grades.csv", questions)
@@ -197,7 +198,8 @@ def write_all(rows: Sequence[Grade], maxima: dict[str, float], out_dir: Path, fi
                "canvas.csv": lambda: write_canvas(rows, out_dir / "canvas.csv", maxima, roster, exported),
                "gradescope/": lambda: write_gradescope(rows, out_dir / "gradescope", roster, exported),
                "review.csv": lambda: copies.write_review(list(pairs), out_dir / "review.csv", code_pairs),
-               "review/": lambda: problems.extend(similarity.write_pages(code_pairs, out_dir))}
+               "review/": lambda: problems.extend(similarity.write_pages(code_pairs, out_dir)),
+               "report.html": lambda: report.write(rows, maxima, out_dir / "report.html")}
     problems: list[str] = []
     for name, write in writers.items():
         try:

@@ -81,7 +81,8 @@ def _row(data: dict) -> Grade:
     fields["results"] = tuple(CheckResult(**r) for r in fields["results"])
     for key in ("digests", "signatures"):
         fields[key] = tuple(fields[key])
-    fields["answers"] = tuple(tuple(a) for a in fields.get("answers", ()))
+    for key in ("answers", "runs"):
+        fields[key] = tuple(tuple(a) for a in fields.get(key, ()))
     return Grade(**fields)
 
 
