@@ -138,7 +138,7 @@ def command(submissions_dir, out_dir, notebook, execute, profile, timeout, worke
                              sharding.plan_of(opts, most, roster_of(opts), questions_for(most, opts)))
     click.echo(format_table(result.summary))
     click.echo(f"wrote {result.out_dir / 'grades.csv'} ({len(result.rows)} rows), summary.csv, canvas.csv, "
-               f"received.csv, review.csv, gradescope/, feedback/")
+               f"received.csv, review.csv, report.html, gradescope/, feedback/")
     for pair in (*result.pairs, *result.code_pairs):
         _review(pair)
     for problem in result.problems:  # the gradebook is written: say what is missing, still exit 0
@@ -189,7 +189,7 @@ def _merge(parts, out_dir):
     rows, pairs, problems = sharding.merge(parts, out_dir)
     click.echo(format_table(sharding.gradebook.summary(rows)))
     click.echo(f"merged {len(parts)} shard(s): wrote {Path(out_dir) / 'grades.csv'} ({len(rows)} rows), summary.csv, "
-               "canvas.csv, received.csv, review.csv, gradescope/, feedback/")
+               "canvas.csv, received.csv, review.csv, report.html, gradescope/, feedback/")
     for pair in pairs:
         _review(pair)
     for problem in problems:
