@@ -135,7 +135,7 @@ def test_a_renamed_reordered_copy_is_flagged_and_two_honest_solutions_are_not(tm
     out = tmp_path / "out"
     result = run_batch(_class(tmp_path), out, GradeOptions(autograder=str(tmp_path / "no-tests")))
     assert [(p.student, p.other, p.page) for p in result.code_pairs] == [("ann", "cy", "review/pair-001.html")]
-    assert result.code_pairs[0].similarity >= 0.9
+    assert result.code_pairs[0].similarity >= 0.8  # 0.91 with copydetect 0.5.0; honest pairs 0.15
     with (out / "review.csv").open(newline="") as fh:
         review = list(csv.DictReader(fh))
     assert [(r["student"], r["other"], r["runs_in_common"], r["page"]) for r in review] == [
