@@ -133,3 +133,26 @@ def test_every_student_is_in_exactly_one_shard(tmp_path):
     groups = [shards.select(subs, i, 3) for i in range(3)]
     assert sorted(s.student for g in groups for s in g) == sorted(s.student for s in subs)
     assert all(groups)
+
+
+def test_merge_refuses_a_shard_whose_rows_are_not_its_students_or_repeat_one(tmp_path, capsys):
+    from labkit.course.grading.batch import find_submissions
+
+    subs = find_submissions(_class(tmp_path), "01_memory")
+    good = [_fake_part(tmp_path / f"p{i}", i, 3, subs) for i in (1, 2)]
+    mine, other = shards.select(subs, 0, 3), shards.select(subs, 1, 3)
+    row = lambda s: Grade(s.student, s.notebook, "graded", 2.0, 2.0, "2/2 checks pass")  # noqa: E731
+    cases = {
+        f"holds '{other[0].student}'/'01_memory', which is not one of its students": [*mine, other[0]],
+        f"grades '{mine[0].student}'/'01_memory' more than once": [*mine, mine[0]],
+        f"holds no row for '{mine[-1].student}'": mine[:-1],
+    }
+    for i, (message, listed) in enumerate(cases.items()):
+        bad = tmp_path / f"bad{i}"
+        bad.mkdir()
+        shards.write_shard(bad, 0, 3, subs, [row(s) for s in listed], {"maxima": {"01_memory": 2.0}})
+        capsys.readouterr()
+        assert _cli(["grade", "merge", str(bad), *map(str, good), "--out", str(tmp_path / "out")]) == 2, message
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out" / "grades.csv").exists()

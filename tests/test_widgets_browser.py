@@ -6,6 +6,7 @@ reason, only where Chromium or Playwright is not installed.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -31,12 +32,20 @@ pytestmark = [pytest.mark.slow,
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """A JupyterLab server on 127.0.0.1 serving copies of notebooks 01 and 07; yields (base url, token)."""
-    pytest.importorskip("playwright", reason="Playwright for Python is not installed (pip install playwright)")
-    from labkit.launch import free_port
-
     root = tmp_path_factory.mktemp("lab")
     for name in ("01_memory.ipynb", "07_model_parallel.ipynb"):
         shutil.copy(TESTS_DIR.parent / "notebooks" / name, root / name)
+    with jupyterlab(root) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def jupyterlab(root: Path):
+    """A JupyterLab server on 127.0.0.1 serving `root` (tests/test_grading_review_browser.py uses it too);
+    yields (base url, token) and stops the server on exit."""
+    pytest.importorskip("playwright", reason="Playwright for Python is not installed (pip install playwright)")
+    from labkit.launch import free_port
+
     token, port = secrets.token_hex(16), free_port()
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip", "127.0.0.1", f"--port={port}",
            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.open_browser=False",

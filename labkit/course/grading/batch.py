@@ -17,14 +17,17 @@ from typing import Callable
 
 from labkit.course.exercises import grading as exercise_grading
 from labkit.errors import ConfigError, GradingError
-from labkit.course.grading import copies, gradebook, isolation, sandbox, tamper, workspace
-from labkit.course.grading.evaluate import (DEFAULT_MAX_BYTES, ERROR, INVALID, TAMPERED, TIMEOUT, Grade,
+from labkit.course.grading import (copies, gradebook, isolation, late, manual, questions, report, roster,
+                                   sandbox, similarity, tamper, workspace)
+from labkit.course.grading.evaluate import (DEFAULT_MAX_BYTES, ERROR, INVALID, MISSING, TAMPERED, TIMEOUT, Grade,
                                      SubmissionProblem, check_identity, grade_notebook, join_reasons,
                                      load_notebook)
 from labkit.course.grading.evidence import cell_number, collect, error_of
 from labkit.course.grading.gradebook import safe_name
 from labkit.course.grading.isolation import Isolation
+from labkit.course.grading.late import LatePolicy
 from labkit.course.grading.registry import checks_for
+from labkit.course.grading.submissions import Submission, find_submissions, with_roster
 
 
 @dataclass(frozen=True)
@@ -50,39 +53,23 @@ class GradeOptions:
     notebooks/tests/hidden when it exists. Code tests always run sandboxed, with or without `execute`."""
     exercise_timeout_s: float = 300.0
     """Seconds for all the tests of one code exercise (one sandboxed process per exercise)."""
+    export_questions: bool = False
+    """Also put the points per question (every check and test) into canvas.csv and gradescope/ (grades.csv
+    always has them)."""
+    similarity: float = similarity.DEFAULT_THRESHOLD
+    """Exercise code this alike (0-1, labkit.course.grading.similarity) puts a pair in review.csv; 0: off."""
+    late: LatePolicy | None = None
+    """--deadline and its penalty (labkit.course.grading.late); None: nobody is late."""
+    marks: str | None = None
+    """The TA's marks of manual questions (labkit grade review); None: OUT_DIR/marks.json when it exists."""
+    roster: str | None = None
+    """CSV of the class (labkit.course.grading.roster): every rostered student gets a row, missing or not."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ConfigError(f"workers={self.workers!r}; give a positive integer")
-
-
-@dataclass(frozen=True)
-class Submission:
-    student: str
-    notebook: str
-    path: Path | None
-    """None when the student has no such file."""
-    present: tuple[str, ...] = ()
-    """The .ipynb files the student's directory does hold (named in the reason when `path` is None)."""
-
-
-def find_submissions(root: str | Path, notebook: str | None = None) -> list[Submission]:
-    """One Submission per `<student>/<notebook>.ipynb` (or per student when `notebook` is given)."""
-    root = Path(root)
-    if not root.is_dir():
-        raise GradingError(f"submissions directory {root} does not exist; expected "
-                           f"{root}/<student>/<notebook>.ipynb")
-    subs = []
-    for student_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        student = student_dir.name
-        files = sorted(p for p in student_dir.glob("*.ipynb") if not p.name.startswith("."))
-        if notebook is not None:
-            path = student_dir / f"{notebook}.ipynb"
-            subs.append(Submission(student, notebook, path if path.is_file() else None,
-                                   tuple(p.name for p in files)))
-            continue
-        subs += [Submission(student, p.stem, p) for p in files] or [Submission(student, "", None)]
-    return subs
+        if not 0 <= self.similarity <= 1:
+            raise ConfigError(f"--similarity {self.similarity!r}; give a fraction between 0 (off) and 1")
 
 
 def _max_score(notebook: str, opts: GradeOptions | None = None) -> float:
@@ -152,6 +139,10 @@ def grade_submission(sub: Submission, opts: GradeOptions, out_dir: Path, box: Sa
 
 
 def _grade(sub: Submission, opts: GradeOptions, out_dir: Path, box: Sandboxing | None) -> Grade:
+    if sub.missing:
+        raise SubmissionProblem(MISSING, "not submitted")
+    if sub.problem:
+        raise SubmissionProblem(INVALID, sub.problem)
     if sub.path is None:
         what = f"{sub.notebook}.ipynb" if sub.notebook else "notebook (*.ipynb)"
         found = f" (it holds: {', '.join(sub.present[:5])})" if sub.present else ""
@@ -162,7 +153,8 @@ def _grade(sub: Submission, opts: GradeOptions, out_dir: Path, box: Sandboxing |
         raise SubmissionProblem(INVALID, f"{sub.path.name} is not a graded course notebook ({exc})") from exc
     nb = load_notebook(sub.path, max_bytes=opts.max_bytes)
     check_identity(nb, sub.notebook)
-    marks = {"digests": _digests(nb), "signatures": copies.signatures(nb)}  # what was submitted, in both modes
+    marks = {"digests": _digests(nb), "signatures": copies.signatures(nb),  # what was submitted, in both modes
+             "code": similarity.code_of(nb), "runs": report.runs_of(nb)}
     try:
         return replace(_graded(nb, checks, sub, opts, out_dir, box), **marks)
     except SubmissionProblem as exc:
@@ -192,12 +184,13 @@ def _digests(nb) -> tuple[str, ...]:
 
 
 def _execute_and_grade(sub: Submission, opts: GradeOptions, out_dir: Path, checks, box: Sandboxing) -> Grade:
-    dst = out_dir / "executed" / safe_name(sub.student) / f"{safe_name(sub.notebook)}.ipynb"
+    who = sub.file_name or safe_name(sub.student)
+    dst = out_dir / "executed" / who / f"{safe_name(sub.notebook)}.ipynb"
     with tempfile.TemporaryDirectory(prefix="labkit-grade-") as work:
         run = sandbox.execute(sub.path, dst, workdir=work, kernel=opts.kernel,
                               parameters={"PROFILE": opts.profile}, limits=opts.limits,
                               private=box.hidden + (out_dir,), isolation=box.isolation)
-        _keep_log(Path(work) / "executor.log", out_dir / "logs" / f"{safe_name(sub.student)}__{dst.stem}.log")
+        _keep_log(Path(work) / "executor.log", out_dir / "logs" / f"{who}__{dst.stem}.log")
     nb = _load_quietly(run.output, opts.limits.output_bytes)
     iso = run.isolation
     note = "" if iso.isolated and (iso.network_isolated or opts.limits.network) else f" [{iso.detail}]"
@@ -310,22 +303,27 @@ class BatchResult:
     """copies.Pair: submissions whose recorded runs are identical (review.csv)."""
     problems: tuple[str, ...] = ()
     """Gradebook files (other than grades.csv) or feedback pages that could not be written, one line each."""
+    code_pairs: tuple = ()
+    """similarity.CodePair: submissions whose exercise code is alike (review.csv, review/)."""
 
 
 def _grade_copies(subs: list[Submission], opts: GradeOptions, out_dir: Path, hidden: tuple[Path, ...],
                   progress: Callable[[Grade], None] | None) -> list[Grade]:
-    """Copy every submission into a private workspace, grade the copies, note originals that changed."""
+    """Copy every submission into a private workspace, grade the copies, note originals that changed, and apply
+    the late policy (`hidden[0]`: the submissions folder)."""
     code = any(code_plan(s.notebook, opts).exercises for s in subs if s.notebook)
     box = Sandboxing(isolation_for(opts), private_paths(opts, *hidden)) if opts.execute or code else None
     received: dict[int, workspace.Received] = {}
+    refused: dict[int, str] = {}
     with tempfile.TemporaryDirectory(prefix="labkit-ws-") as ws:  # mode 0700
         for i, sub in enumerate(subs):
             try:
-                if sub.path is not None:
+                if sub.path is not None and not sub.problem:
                     received[i] = workspace.take(sub.path, Path(ws), i, opts.max_bytes)
-            except OSError:
-                pass  # unreadable: graded from the original, which load_notebook reports
-        copies = [replace(s, path=received[i].copy) if i in received else s for i, s in enumerate(subs)]
+            except SubmissionProblem as exc:  # not a regular file, above the cap, unreadable: never read again
+                refused[i] = str(exc)
+        copies = [replace(s, path=received[i].copy) if i in received else
+                  replace(s, problem=refused[i]) if i in refused else s for i, s in enumerate(subs)]
         box = box and replace(box, hidden=box.hidden + (Path(ws),))
         rows = grade_all(copies, opts, out_dir, progress, box)
     notes = {(subs[i].student, subs[i].notebook): (rec, workspace.changed(rec, opts.max_bytes))
@@ -335,12 +333,34 @@ def _grade_copies(subs: list[Submission], opts: GradeOptions, out_dir: Path, hid
     for row in rows:
         note = notes.get((row.student, row.notebook), (None, None))[1]
         out.append(replace(row, detail=f"{row.detail}; {note}" if row.detail else note) if note else row)
-    return out
+    if opts.late is None:
+        return out
+    mtimes = {(subs[i].student, subs[i].notebook): rec.mtime for i, rec in received.items()}
+    return late.apply(out, opts.late, late.submission_times(hidden[0], subs, mtimes), roster_of(opts))
+
+
+def questions_for(notebooks, opts: GradeOptions) -> list[questions.Question]:
+    """The plan's questions (every check and exercise test, labkit.course.grading.questions) of `notebooks`."""
+    return [q for nb in sorted(set(notebooks)) if nb for q in questions.plan(nb, code_plan(nb, opts))]
 
 
 def maxima(rows: list[Grade], opts: GradeOptions) -> dict[str, float]:
     """The grader's plan: the points possible of each notebook in `rows` (its checks and code tests)."""
     return {nb: _max_score(nb, opts) for nb in sorted({r.notebook for r in rows})}
+
+
+def roster_of(opts: GradeOptions):
+    return roster.load(opts.roster) if opts.roster else None
+
+
+def listing(submissions_dir: str | Path, opts: GradeOptions) -> list[Submission]:
+    """Everything a batch grades (a shard picks its students from it): the folders' submissions, completed by the
+    roster, each with its file name in OUT_DIR (unique over the whole listing, so a shard names as one machine)."""
+    subs = find_submissions(submissions_dir, opts.notebook)
+    if opts.roster:
+        subs, _ = with_roster(subs, roster_of(opts), opts.notebook)
+    names, _ = gradebook.file_names(s.student for s in subs)
+    return [replace(s, file_name=names[s.student]) for s in subs]
 
 
 def run_batch(submissions_dir: str | Path, out_dir: str | Path, opts: GradeOptions = GradeOptions(),
@@ -350,13 +370,17 @@ def run_batch(submissions_dir: str | Path, out_dir: str | Path, opts: GradeOptio
     grades.csv, summary.csv, canvas.csv, received.csv, review.csv, gradescope/, feedback/ (and with --execute
     executed/ and logs/). Only grades.csv failing raises."""
     out_dir = Path(out_dir)
-    subs = find_submissions(submissions_dir, opts.notebook)
+    subs = listing(submissions_dir, opts)
     subs = select(subs) if select is not None else subs
     out_dir.mkdir(parents=True, exist_ok=True)
     hidden = (Path(submissions_dir), out_dir)
     rows = _grade_copies(subs, opts, out_dir, hidden, progress)
+    rows = manual.apply(rows, manual.load_marks(Path(opts.marks) if opts.marks else out_dir / manual.MARKS),
+                        opts.late)
     pairs, most = copies.find_pairs(rows), maxima(rows, opts)
-    rows = gradebook.normalize(copies.flag(rows, pairs), most)
-    problems = gradebook.write_all(rows, most, out_dir, safe_name, pairs)
+    code_pairs = similarity.find_pairs(rows, opts.similarity)
+    rows = gradebook.normalize(similarity.flag(copies.flag(rows, pairs), code_pairs), most)
+    problems = gradebook.write_all(rows, most, out_dir, safe_name, pairs, roster_of(opts), questions_for(most, opts),
+                                   opts.export_questions, code_pairs)
     return BatchResult(rows, out_dir, gradebook.summary(rows), isolation_for(opts) if opts.execute else None,
-                       tuple(pairs), tuple(problems))
+                       tuple(pairs), tuple(problems), tuple(code_pairs))

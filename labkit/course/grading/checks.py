@@ -2,7 +2,8 @@
 
 Kinds (one factory each): `cell_ran` (a cell ran without error), `answer_close` (an answer within
 tolerance of a reference labkit computes), `answer_equals`, `relation` with `peak_below`,
-`speedup_at_least` and `fits_in` (measured relations between recorded runs), `figure_present`.
+`speedup_at_least` and `fits_in` (measured relations between recorded runs), `figure_present`, `manual`
+(a free-text answer a TA marks: labkit.course.grading.manual).
 A check function returns (passed, message) or raises `CheckFailed(message)`; the message is shown to
 students for visible checks only (a hidden check's message may name expected values).
 """
@@ -127,6 +128,21 @@ def answer_equals(name: str, points: float, key: str, expected: Any, *, visible:
             return True, f"answer {key!r} = {got!r} is right"
         return False, f"answer {key!r} = {got!r} is not the expected answer; revisit the exercise"
     return Check(name, points, fn, "answer_equals", visible, (("answer", key),))
+
+
+# ---------------------------------------------------------------- graded by a TA
+AWAITING = "awaiting a TA's mark"
+
+
+def manual(name: str, points: float, key: str, *, visible: bool = True) -> Check:
+    """A free-text answer (`answer(key, "...")`) that a TA grades (labkit.course.grading.manual: `labkit grade
+    review OUT_DIR`); until marked it earns 0 and says it awaits a mark."""
+    def fn(ev: Evidence) -> Outcome:
+        text = ev.answer(key)
+        if not isinstance(text, str) or not text.strip():
+            return False, f"answer {key!r} is empty; write your answer as text and record it with answer({key!r}, ...)"
+        return False, AWAITING
+    return Check(name, points, fn, "manual", visible, (("answer", key),))
 
 
 # ---------------------------------------------------------------- measured relations

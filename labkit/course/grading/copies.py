@@ -20,7 +20,7 @@ from labkit.course.grading.fingerprint import canonical
 
 #: The measured values of a run a signature covers; it needs a nonzero step time to mean anything.
 MEASURED = ("losses", "step_time_s", "samples_per_s", "tokens_per_s", "peak_bytes")
-REVIEW_COLUMNS = ("notebook", "student", "other", "runs_in_common", "same_seals")
+REVIEW_COLUMNS = ("notebook", "student", "other", "runs_in_common", "same_seals", "code_similarity", "page")
 
 
 def signatures(nb) -> tuple[str, ...]:
@@ -86,15 +86,22 @@ def flag(rows, pairs: list[Pair]):
     return out
 
 
-def write_review(pairs: list[Pair], path: Path) -> Path:
-    """review.csv: one line per pair of submissions to look at (empty but for its header when none)."""
+def write_review(pairs: list[Pair], path: Path, code_pairs=()) -> Path:
+    """review.csv: one line per pair of submissions to look at, copied runs (`pairs`) and alike code
+    (`code_pairs`, labkit.course.grading.similarity) joined by (notebook, student, other); empty but for its
+    header when none."""
     from labkit.course.grading.text import csv_field as _text
 
+    lines: dict[tuple[str, str, str], list] = {}
+    for p in pairs:
+        lines[(p.notebook, p.student, p.other)] = [p.runs, "yes" if p.same_seals else "no", "", ""]
+    for c in code_pairs:
+        line = lines.setdefault((c.notebook, c.student, c.other), [0, "", "", ""])
+        line[2:] = [f"{c.similarity:g}", c.page]
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="", encoding="utf-8") as fh:
         writer = csv.writer(fh)
         writer.writerow(REVIEW_COLUMNS)
-        for p in pairs:
-            writer.writerow([_text(p.notebook), _text(p.student), _text(p.other), p.runs,
-                             "yes" if p.same_seals else "no"])
+        for (notebook, student, other), rest in sorted(lines.items()):
+            writer.writerow([_text(notebook), _text(student), _text(other), *rest])
     return path

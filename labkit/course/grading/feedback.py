@@ -40,6 +40,10 @@ def _notebook_section(grade: Grade) -> str:
     head = (f"<h2>{_esc(grade.notebook or '(no notebook)', 300)}: {grade.score:g} / {grade.max_score:g} "
             f'<span class="status">{_esc(grade.status, 40)}</span></h2>')
     parts = [head]
+    if grade.submitted_at:
+        late = (f"{grade.days_late} day(s) late: {grade.late_penalty:g} points taken off (already in the score "
+                "above)" if grade.days_late else "on time")
+        parts.append(f'<p class="late">Submitted {_esc(grade.submitted_at, 40)}: {late}.</p>')
     if grade.status != GRADED:
         parts.append(f"<p>{_esc(grade.detail)}</p>")
     if grade.results:

@@ -14,23 +14,26 @@ I = $SLURM_ARRAY_TASK_ID (run one by hand: `SLURM_ARRAY_TASK_ID=3 bash OUT/slurm
 from __future__ import annotations
 
 import csv
+from collections import Counter
 import hashlib
 import json
 import math
 import shlex
 import shutil
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
-from labkit.course.grading import copies, gradebook
+from labkit.course.grading import copies, gradebook, manual, questions, similarity
+from labkit.course.grading.late import LatePolicy
 from labkit.course.grading.checks import CheckResult
 from labkit.course.grading.evaluate import Grade
+from labkit.course.grading.roster import Roster
 from labkit.errors import GradingError
 
 SHARD_FILE = "shard.json"
-FORMAT = 1
+FORMAT = 2
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -60,10 +63,13 @@ def listing(subs) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def plan_of(opts, maxima: dict[str, float]) -> dict:
-    """What decides a row's points: shards graded under different plans do not merge."""
+def plan_of(opts, maxima: dict[str, float], roster=None, questions_list=()) -> dict:
+    """What decides a row's points and the gradebook's columns: shards graded under different plans do not merge."""
     return {"maxima": maxima, "notebook": opts.notebook, "execute": opts.execute, "profile": opts.profile,
-            "autograder": opts.autograder, "checks": list(opts.private)}
+            "autograder": opts.autograder, "checks": list(opts.private),
+            "roster": roster.rows() if roster is not None else None,
+            "questions": questions.as_data(questions_list), "export_questions": opts.export_questions,
+            "late": asdict(opts.late) if opts.late is not None else None, "similarity": opts.similarity}
 
 
 def _row_data(row: Grade) -> dict:
@@ -75,12 +81,15 @@ def _row(data: dict) -> Grade:
     fields["results"] = tuple(CheckResult(**r) for r in fields["results"])
     for key in ("digests", "signatures"):
         fields[key] = tuple(fields[key])
+    for key in ("answers", "runs"):
+        fields[key] = tuple(tuple(a) for a in fields.get(key, ()))
     return Grade(**fields)
 
 
 def write_shard(out_dir: Path, index: int, count: int, all_subs, rows: Sequence[Grade], plan: dict) -> Path:
+    entries = sorted([s.student, s.notebook] for s in all_subs)
     data = {"format": FORMAT, "shard": index, "of": count, "listing": listing(all_subs),
-            "submissions": len(all_subs), "plan": plan, "rows": [_row_data(r) for r in rows]}
+            "submissions": len(all_subs), "entries": entries, "plan": plan, "rows": [_row_data(r) for r in rows]}
     path = out_dir / SHARD_FILE
     path.write_text(json.dumps(data, indent=1, ensure_ascii=True) + "\n", encoding="utf-8")
     return path
@@ -98,6 +107,34 @@ def _read(part: Path) -> dict:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise GradingError(f"{path} was written by another labkit version; grade that shard again")
     return data
+
+
+@dataclass(frozen=True)
+class _Entry:
+    student: str
+    notebook: str
+
+
+def _check_rows(path: Path, data: dict, count: int) -> None:
+    """GradingError unless the rows of shard `data` are its submissions of the listing, each exactly once."""
+    try:
+        entries = [_Entry(str(a), str(b)) for a, b in data["entries"]]
+        rows = [(str(r["student"]), str(r["notebook"])) for r in data["rows"]]
+    except (KeyError, TypeError, ValueError):
+        raise GradingError(f"{path} is malformed (its entries or rows); grade that shard again") from None
+    if listing(entries) != data["listing"] or len(entries) != data["submissions"]:
+        raise GradingError(f"{path}: its list of submissions does not match its digest; grade that shard again")
+    expected = sorted((e.student, e.notebook) for e in select(entries, data["shard"], count))
+    repeated = sorted(r for r, n in Counter(rows).items() if n > 1)
+    if repeated:
+        raise GradingError(f"{path} grades {repeated[0][0]!r}/{repeated[0][1]!r} more than once; grade that shard "
+                           "again")
+    foreign = sorted(set(rows) - set(expected))
+    if foreign or sorted(rows) != expected:
+        what = (f"{foreign[0][0]!r}/{foreign[0][1]!r}, which is not one of its students" if foreign else
+                f"no row for {sorted(set(expected) - set(rows))[0][0]!r}")
+        raise GradingError(f"{path} (shard {data['shard']}/{count}) holds {what}; grade that shard again with "
+                           "`labkit grade ... --shard I/K`")
 
 
 def merge(parts: Sequence[str | Path], out_dir: str | Path) -> tuple[list[Grade], list, list[str]]:
@@ -123,24 +160,31 @@ def merge(parts: Sequence[str | Path], out_dir: str | Path) -> tuple[list[Grade]
             raise GradingError(f"{seen[data['shard']]} and {path} are both shard {data['shard']}/{count}; pass each "
                                "shard once")
         seen[data["shard"]] = path
+        _check_rows(path, data, count)
     missing = sorted(set(range(count)) - set(seen))
     if missing:
         ids = ",".join(map(str, missing))
         raise GradingError(f"shard(s) {ids} of {count} missing; run them (sbatch --array={ids} OUT/slurm/grade.sbatch, "
                            f"or SLURM_ARRAY_TASK_ID={missing[0]} bash OUT/slurm/grade.sbatch) and merge again")
     rows = sorted((_row(r) for d in datas.values() for r in d["rows"]), key=lambda r: (r.student, r.notebook))
+    policy = LatePolicy(**first["plan"]["late"]) if first["plan"].get("late") else None
+    rows = manual.apply(rows, manual.load_marks(Path(out_dir) / manual.MARKS), policy)
     maxima = first["plan"]["maxima"]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pairs = copies.find_pairs(rows)
-    rows = gradebook.normalize(copies.flag(rows, pairs), maxima)
-    problems = gradebook.write_all(rows, maxima, out, gradebook.safe_name, pairs)
+    code_pairs = similarity.find_pairs(rows, first["plan"].get("similarity", 0))
+    rows = gradebook.normalize(similarity.flag(copies.flag(rows, pairs), code_pairs), maxima)
+    class_list = Roster.from_rows(first["plan"]["roster"]) if first["plan"].get("roster") is not None else None
+    problems = gradebook.write_all(rows, maxima, out, gradebook.safe_name, pairs, class_list,
+                                   questions.from_data(first["plan"].get("questions")),
+                                   bool(first["plan"].get("export_questions")), code_pairs)
     _join_received([Path(p) for p in seen.values()], out / "received.csv")
     for part in seen.values():  # --execute: the executed notebooks and logs, student by student
         for sub in ("executed", "logs"):
             if (part / sub).is_dir():
                 shutil.copytree(part / sub, out / sub, dirs_exist_ok=True)
-    return rows, pairs, problems
+    return rows, pairs + code_pairs, problems
 
 
 def _join_received(parts: list[Path], path: Path) -> None:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from labkit.course.grading.evaluate import SubmissionProblem, read_submitted
 from labkit.course.grading.text import csv_field as _text
 
 RECEIVED_COLUMNS = ("student", "notebook", "sha256", "bytes", "changed_during_batch")
@@ -22,41 +24,38 @@ class Received:
 
     original: Path
     copy: Path
-    """What is graded: the copy, or the original when it is above the size cap (never read then)."""
+    """What is graded: the private copy (the original is never read again but to see whether it changed)."""
     sha256: str
-    """Of the bytes copied; '' for a file above the size cap."""
+    """Of the bytes copied."""
     size: int
-
-
-def _read(path: Path, max_bytes: int) -> bytes | None:
-    """The file's bytes, or None when it is larger than `max_bytes` (not read at all)."""
-    if path.stat().st_size > max_bytes:
-        return None
-    with path.open("rb") as fh:
-        data = fh.read(max_bytes + 1)
-    return None if len(data) > max_bytes else data
+    mtime: float = 0.0
+    """The original's modification time when it was read (a late policy's last resort)."""
 
 
 def take(original: Path, root: Path, index: int, max_bytes: int) -> Received:
-    """Copy `original` to `root/<index>/<name>` and hash the copy."""
-    data = _read(original, max_bytes)
-    if data is None:
-        return Received(original, original, "", original.stat().st_size)
+    """Copy `original` to `root/<index>/<name>` and hash the copy; SubmissionProblem('invalid') for what is not
+    a regular file within the cap (evaluate.read_submitted: read once, bounded, never blocks)."""
+    data = read_submitted(original, max_bytes)
     copy = root / f"{index:05d}" / original.name
     copy.parent.mkdir(parents=True)
     copy.write_bytes(data)
-    return Received(original, copy, hashlib.sha256(data).hexdigest(), len(data))
+    try:
+        mtime = os.lstat(original).st_mtime
+    except OSError:
+        mtime = 0.0
+    return Received(original, copy, hashlib.sha256(data).hexdigest(), len(data), mtime)
 
 
 def changed(received: Received, max_bytes: int) -> str | None:
     """Why the original no longer matches what was graded, or None when it still does."""
-    if not received.sha256:
-        return None
     try:
-        data = _read(received.original, max_bytes)
-    except OSError:
-        return "the submitted file was deleted while the batch ran"
-    if data is None or hashlib.sha256(data).hexdigest() != received.sha256:
+        data = read_submitted(received.original, max_bytes)
+    except SubmissionProblem as exc:
+        if not os.path.lexists(received.original):
+            return "the submitted file was deleted while the batch ran"
+        return (f"the submitted file changed while the batch ran ({exc}); graded the copy received at the start "
+                f"(sha256 {received.sha256[:12]})")
+    if hashlib.sha256(data).hexdigest() != received.sha256:
         return (f"the submitted file changed while the batch ran; graded the copy received at the start "
                 f"(sha256 {received.sha256[:12]})")
     return None
