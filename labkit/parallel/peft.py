@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from labkit.errors import ConfigError
+from labkit.parallel.budget import finetune_flops
 from labkit.parallel.single import Strategy
 
 #: Short names for Llama's linear layers (the memory estimator accepts the same ones).
@@ -281,7 +282,7 @@ class LoraStrategy(Strategy):
         embed = model.get_input_embeddings().weight
         frozen = sum(_logical_numel(p) for p in model.parameters() if not p.requires_grad and p is not embed)
         adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        return (4.0 * frozen + 6.0 * adapters) * global_tokens
+        return finetune_flops(frozen, adapters, global_tokens)
 
     def record_facts(self) -> dict:
         from labkit.facts import PeftFacts
