@@ -54,7 +54,8 @@ class LoraSettings:
     rank: int = 8
     """r: rank of dW = B A. The LoRA paper finds r as small as 1-8 enough on W_q, W_v (Sec. 7.2)."""
     alpha: float = 16.0
-    """dW is scaled by alpha / r, so changing r does not change the update size at a fixed lr."""
+    """dW is scaled by alpha / r (Hu et al. 2022 Sec. 4.1). That scale still slows learning as r grows:
+    rsLoRA's alpha / sqrt(r) keeps large ranks stable (Kalajdzievski 2023; peft `use_rslora=True`)."""
     dropout: float = 0.0
     """Dropout on the adapter's input (0 keeps single and data-parallel runs loss-for-loss equal)."""
     targets: str = "q,v"
