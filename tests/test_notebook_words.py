@@ -198,7 +198,7 @@ def test_deepspeed_pipelines_refuse_zero_2_and_3():  # 43.6
 def test_bytes_per_parameter_name_their_layout():  # 43.7
     deck = page("slides/01_memory.md")
     assert "| mixed / pure bf16 | halves | halves |" not in deck
-    assert "`torch.autocast` (labs 02, 03) keeps fp32 weights and grads" in deck and "18 B" in deck
+    assert "`torch.autocast` (labs 02, 03): fp32 weights and grads" in deck and "**18 B**" in deck
     assert "state_layouts" in words("01", "code") and "4 + 4 + 8" in words("01")
     assert "4-12 B per trainable" not in words("01")  # the slide's and the notebook's ranges agree
     assert "4 B (pure bf16) to 12 B (mixed)" in words("01") and "(4 B: pure bf16)" in deck
