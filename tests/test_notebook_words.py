@@ -201,7 +201,8 @@ def test_bytes_per_parameter_name_their_layout():  # 43.7
     assert "`torch.autocast` (labs 02, 03): fp32 weights and grads" in deck and "**18 B**" in deck
     assert "state_layouts" in words("01", "code") and "4 + 4 + 8" in words("01")
     assert "4-12 B per trainable" not in words("01")  # the slide's and the notebook's ranges agree
-    assert "4 B (pure bf16) to 12 B (mixed)" in words("01") and "(4 B: pure bf16)" in deck
+    assert "4 B (pure bf16) to 12 B (mixed) per trainable param" in words("01")
+    assert "4 B (pure bf16) to 12 B (mixed) per trainable param" in deck and "8-12 B" not in deck
 
 
 def test_bubble_is_given_over_the_step_and_over_the_compute():  # 43.8
