@@ -27,7 +27,8 @@ peak, 1F1B's stage s at most p - s (it warms up with p - s - 1 forwards, then al
 `schedule_grid` simulates the step op by op; its idle share (`stage_bubbles`) and peak held
 micro-batches (`max_in_flight`) are the formulas above, and the same functions read a MEASURED
 schedule (`events_of` a run's `ScheduleTrace`, `labkit.parallel.pipeline`).
-Introduced in notebooks 03_ddp (ring) and 07_model_parallel (pipelines).
+Introduced in notebooks 03_ddp (ring), 05_zero (`dp_passes`: ZeRO traffic per step) and 07_model_parallel
+(pipelines).
 """
 from __future__ import annotations
 
