@@ -37,3 +37,10 @@ def test_ranked_layouts_fit_are_sorted_and_agree_with_six_n_d():
 def test_no_fitting_layout_says_so():
     with pytest.raises(ConfigError, match="no layout of gpt3-175b fits"):
         B.rank_by_cost("gpt3-175b", 300e9, (8,))
+
+
+def test_lora_step_flops_are_four_n_frozen_plus_six_n_trained():
+    n = model_spec("llama2-7b").params
+    assert B.finetune_flops(n, 0, 1) == pytest.approx(2 / 3 * B.training_flops(n, 1))
+    assert B.finetune_flops(0, n, 10) == B.training_flops(n, 10)  # nothing frozen: the 6 N D rule
+    assert B.finetune_flops(n - 4_194_304, 4_194_304, 2048) < 0.67 * B.training_flops(n, 2048)

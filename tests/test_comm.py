@@ -122,3 +122,38 @@ def test_more_micro_batches_leave_the_fast_stage_waiting():
     assert comm.uneven_bubble([1.0, 2.0], 10_000)[0] == pytest.approx(0.5, abs=1e-3)
     with pytest.raises(ConfigError, match="one positive compute time per stage"):
         comm.uneven_bubble([1.0, 0.0], 4)
+
+
+def test_bubble_ratio_is_the_idle_time_over_the_ideal_compute():
+    # Narayanan et al. 2021 Sec. 2.2: (p - 1) / m, and (1 / v)(p - 1) / m interleaved
+    assert comm.bubble_ratio(4, 8) == pytest.approx(3 / 8)
+    assert comm.bubble_ratio(4, 8, chunks=2) == pytest.approx(3 / 16)
+    assert comm.bubble_ratio(8, 4) == pytest.approx(7 / 4)  # not a share: more idle than compute
+    for p, m, v in ((2, 4, 1), (4, 8, 2), (8, 64, 4)):  # the same idle slots, another denominator
+        share, ratio = comm.bubble_fraction(p, m, v), comm.bubble_ratio(p, m, v)
+        assert share == pytest.approx(ratio / (1 + ratio)) and share < ratio
+    with pytest.raises(ConfigError, match="microbatches=0"):
+        comm.bubble_ratio(4, 0)
+
+
+def test_zero_traffic_grows_with_accumulated_micro_batches():
+    assert [comm.dp_traffic_vs_ddp(s) for s in (0, 1, 2, 3)] == [1, 1, 1, 1.5]  # ZeRO paper Sec. 7, m = 1
+    assert comm.dp_traffic_vs_ddp(1, 8) == 1  # one reduce-scatter and one all-gather per step
+    assert comm.dp_traffic_vs_ddp(2, 8) == 4.5  # a reduce-scatter per micro-batch + the weights' gather
+    assert comm.dp_traffic_vs_ddp(3, 8) == 12  # 1.5 K
+    assert comm.dp_passes(3, 4, regather=True) == (12, 4)
+    with pytest.raises(ConfigError, match="zero=4"):
+        comm.dp_passes(4)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_the_planner_charges_the_same_passes(zero):
+    from labkit.parallel import perf_dp
+    from labkit.parallel.perf_model import GPUS, Layout
+
+    def sent(z, m):
+        lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, microbatches=m, zero=z, checkpointing="none")
+        return perf_dp.dp_time(lay, gpu=GPUS["a100-80gb"], layers=32, params_on_gpu=7e9, fwd_s=0.1, bwd_s=0.2,
+                               gpus_per_node=8, inter_node_gbps=200).bytes
+    for m in (1, 8):
+        assert sent(zero, m) / sent(0, m) == pytest.approx(comm.dp_traffic_vs_ddp(zero, m))

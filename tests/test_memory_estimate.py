@@ -321,3 +321,48 @@ def test_three_memory_conventions_match_the_libraries_that_state_them():
         p, layer, 1, 1, cpu_offload=False)[1]
     assert rows["ZeRO paper (2 + 2 + 12)"] == estimate(MemoryConfig(model="llama2-7b")).total - 2 * spec.buffers
     assert "20.0" in format_conventions(conventions(p, layer), p)
+
+
+def test_state_layouts_are_what_each_stack_allocates():
+    import torch
+
+    from labkit.memory.conventions import format_layouts, state_layouts
+
+    rows = {r.name: r for r in state_layouts(dp=8)}
+    zero_paper = rows["DeepSpeed / Megatron bf16 (ZeRO paper)"]
+    est = estimate(MemoryConfig(params=1_000_000, precision="mixed-bf16"))
+    assert (zero_paper.weights, zero_paper.grads, zero_paper.optimizer) == (2, 2, 12)
+    assert est.model_states == zero_paper.total * 1_000_000
+    # torch.autocast trains fp32 parameters: count what one AdamW step really allocates per parameter
+    layer = torch.nn.Linear(64, 32)
+    opt = torch.optim.AdamW(layer.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(torch.randn(4, 64)).float().sum().backward()
+    opt.step()
+    n = sum(p.numel() for p in layer.parameters())
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim())
+    autocast = rows["torch.autocast (labs 02, 03)"]
+    assert autocast.weights * n == sum(p.numel() * p.element_size() for p in layer.parameters())
+    assert autocast.grads * n == sum(p.grad.numel() * p.grad.element_size() for p in layer.parameters())
+    assert autocast.optimizer * n == state and autocast.total == 16
+    assert rows["Megatron bf16, fp32 main grads"].total == 18
+    assert rows["  + distributed optimizer, d=8"].total == 6 + 12 / 8
+    assert "18" in format_layouts(state_layouts())
+    with pytest.raises(ConfigError, match="dp=0"):
+        state_layouts(dp=0)
+
+
+def test_kbit_preparation_and_offload_host_bytes_as_the_lessons_quote_them():
+    from labkit.memory.conventions import kbit_upcast_bytes, offload_host_bytes
+
+    # PEFT casts the embedding, LM head and norms to fp32: +2 B each (slides/06, docs/peft.md)
+    spec = model_spec("llama2-7b")
+    quantized = sum(x.fan_in * x.fan_out * x.count for x in spec.linears)
+    assert kbit_upcast_bytes("llama2-7b") == 2 * (spec.params - quantized)
+    assert round(kbit_upcast_bytes("llama2-7b") / 1e9, 1) == 0.5
+    assert round(kbit_upcast_bytes("llama3-8b") / 1e9, 1) == 2.1
+    # notebook 05: ZeRO-2 + optimizer offload of Llama-2-7B on 2 ranks, 50 GiB per rank, ~100 GiB per node
+    cfg = MemoryConfig(model="llama2-7b", precision="mixed-bf16", zero=2, offload="optimizer", dp=2)
+    rank, node = offload_host_bytes(cfg, ranks_per_node=2)
+    assert rank == estimate(cfg).cpu_bytes == (12 + 4) * spec.params // 2 and node == 2 * rank
+    assert (round(rank / 2**30), round(node / 2**30)) == (50, 100)

@@ -139,3 +139,100 @@ def test_the_harness_warning_is_dropped_for_the_course_tests_only():
             exec(compile(code, "<dynamic-code>", "exec"), module.__dict__)
             cloudpickle.loads(cloudpickle.dumps(module.f))()  # as the ranks receive it
     assert len(seen) == 1 and "Converting a tensor" in str(seen[0].message)
+
+
+# ---------------------------------------------------------------- issue 43: lessons true to the letter
+ROOT = TESTS_DIR.parent
+
+
+def page(rel: str) -> str:
+    return " ".join((ROOT / rel).read_text(encoding="utf-8").split())  # one line: claims may wrap
+
+
+def words(key: str, kind: str = "any") -> str:
+    return " ".join(text(key, kind).split())
+
+
+def test_lora_cuts_compute_not_activations():  # 43.1
+    assert "does not reduce activations or compute" not in page("slides/06_peft.md")
+    assert "4N instead of 6N" in page("slides/06_peft.md") and "finetune_flops" in words("06", "code")
+    assert "25 %" in page("docs/peft.md") and "25 %" in words("06")
+
+
+def test_qlora_matmul_is_a_temporary_bf16_weight_and_a_second_dequantization():  # 43.2
+    for said in (page("slides/06_peft.md"), words("06"), page("docs/peft.md")):
+        assert "block by block inside each matmul" not in said
+        assert "MatMul4Bit" in said and "again" in said and "bf16 copy" in said
+
+
+def test_kbit_preparation_is_shown_as_the_estimate_assumes_it():  # 43.3
+    deck = page("slides/06_peft.md")
+    assert "# norms in fp32, input grads" not in deck
+    assert "EVERY non-4-bit weight to fp32" in deck and "m.to(torch.bfloat16)" in deck
+    assert "+0.5 GB on Llama-2-7B, +2.1 GB on Llama-3-8B" in deck and "kbit_upcast_bytes" in page("docs/peft.md")
+
+
+def test_alpha_over_r_is_not_rank_free():  # 43.4
+    from labkit.parallel.peft import LoraSettings
+
+    assert "need not retune" not in page("slides/06_peft.md")
+    assert "[@rslora]" in page("slides/06_peft.md") and "use_rslora" in page("docs/peft.md")
+    assert "does not change the update size" not in (LoraSettings.__doc__ or "") + str(
+        (ROOT / "labkit/parallel/peft.py").read_text(encoding="utf-8"))
+
+
+def test_zero_communication_claims_name_the_accumulation():  # 43.5
+    deck = page("slides/04_fsdp_zero.md")
+    assert "Stages 1-2 are free in communication" not in deck
+    assert "{{dp_traffic zero=2 microbatches=8}}" in deck and "{{dp_traffic zero=3 microbatches=8}}" in deck
+    assert "dp_traffic_vs_ddp" in words("04") and "dp_traffic_vs_ddp" in words("05", "code")
+    assert "1.5K x" in words("05") and "1.5K x" in page("docs/sharding.md")
+
+
+def test_deepspeed_pipelines_refuse_zero_2_and_3():  # 43.6
+    for said in (page("docs/model_parallel.md"), words("07")):
+        assert "all compose with pipelining" not in said
+        assert "zero_optimization_stage() < 2" in said
+
+
+def test_bytes_per_parameter_name_their_layout():  # 43.7
+    deck = page("slides/01_memory.md")
+    assert "| mixed / pure bf16 | halves | halves |" not in deck
+    assert "`torch.autocast` (labs 02, 03): fp32 weights and grads" in deck and "**18 B**" in deck
+    assert "state_layouts" in words("01", "code") and "4 + 4 + 8" in words("01")
+    assert "4-12 B per trainable" not in words("01")  # the slide's and the notebook's ranges agree
+    assert "4 B (pure bf16) to 12 B (mixed) per trainable param" in words("01")
+    assert "4 B (pure bf16) to 12 B (mixed) per trainable param" in deck and "8-12 B" not in deck
+
+
+def test_bubble_is_given_over_the_step_and_over_the_compute():  # 43.8
+    assert "bubble_ratio" in words("07", "code") and "(p-1)/m" in words("07")
+    assert "{{bubble_ratio stages=4 microbatches=8}}" in page("slides/07_model_parallel.md")
+    assert "(1/v)(p - 1)/m" in page("slides/07_model_parallel.md")
+
+
+def test_checkpointing_and_accumulation_claims_are_exact():  # 43.9, 43.10
+    single = words("02")
+    assert "one block's worth" not in single and "never faster" not in single
+    assert "n blocks' inputs plus one block's internals" in single and "no_sync" in single
+    for said in (single, page("docs/training.md")):
+        assert "num_items_in_batch" in said and "ignore_index" in said
+
+
+def test_ring_cost_keeps_latency_and_names_what_nv12_covers():  # 43.11
+    ddp, deck = words("03"), page("slides/03_ddp.md")
+    assert "2 (N-1) alpha" in ddp and "comm.hops('all_reduce', n)" in words("03", "code")
+    assert "so the ring meets the lower bound" not in deck and "SHARP" in deck and "SHARP" in ddp
+    assert "#178" in ddp and "#178" in deck and "bridged pair" in ddp
+
+
+def test_offload_host_ram_is_per_rank_and_per_node():  # 43.12
+    zero = words("05")
+    assert "12 bytes per parameter of AdamW into 50 GiB of host RAM" not in zero
+    assert "50 GiB **per rank**" in zero and "offload_host_bytes" in words("05", "code")
+
+
+def test_the_72_hour_figure_is_labelled_an_anecdote():  # 43.13
+    for key in ("04", "05"):
+        said = words(key)
+        assert "72 h" in said and "anecdote, not a controlled comparison" in said

@@ -88,6 +88,11 @@ def test_ring_and_bubble_facts_come_from_the_comm_model():
     assert slides.fact("ring n=4 bytes=102_000_000") == "153 MB"
     assert slides.fact("ring n=4 bytes=102_000_000 bandwidth=12.5e+9") == "12 ms"
     assert slides.fact("bubble stages=4 microbatches=8") == "27%"
+    # the same idle time over the compute, (p-1)/m = 3/8 (Narayanan et al. 2021); ZeRO at K = 8 micro-batches
+    assert slides.fact("bubble_ratio stages=4 microbatches=8") == "38%"
+    assert slides.fact("bubble_ratio stages=4 microbatches=8 chunks=2") == "19%"
+    assert slides.fact("dp_traffic zero=2 microbatches=8") == "4.5x"
+    assert slides.fact("dp_traffic zero=3 microbatches=8") == "12x"
 
 
 @pytest.mark.parametrize("body,match", [

@@ -80,6 +80,9 @@ def test_launch_env_and_checks():
 def test_comm_volume_stage3_is_one_and_a_half_ddp():
     assert zero.comm_bytes_per_step(2, 1000, 2) == {"reduce_scatter": 500, "all_gather": 500}
     assert sum(zero.comm_bytes_per_step(3, 1000, 2).values()) == 1500
+    # accumulating 4 micro-batches: stage 2 reduce-scatters each, stage 3 gathers twice and reduces each
+    assert zero.comm_bytes_per_step(2, 1000, 2, microbatches=4) == {"reduce_scatter": 2000, "all_gather": 500}
+    assert sum(zero.comm_bytes_per_step(3, 1000, 2, microbatches=4).values()) == 6000
 
 
 # ------------------------------------------------------------------------------------------ 2 ranks

@@ -73,7 +73,8 @@ def _kwargs(tokens: list[str], where: str) -> dict:
 
 def fact(text: str, where: str = "deck") -> str:
     """Evaluate one `{{...}}`: `mem PART cfg...`, `params cfg...`, `trainable cfg...`, `bubble stages=
-    microbatches= [schedule=]`, `ring n= [bytes=] [bandwidth=]` (bytes each rank sends per byte of
+    microbatches= [schedule=]`, `bubble_ratio stages= microbatches= [chunks=]` ((p-1)/(v m)), `dp_traffic
+    zero= microbatches=` (bytes over DDP's), `ring n= [bytes=] [bandwidth=]` (bytes each rank sends per byte of
     gradient; with bytes=, the MB it sends; with bandwidth= in B/s too, the ms that takes)."""
     from labkit.parallel import comm
 
@@ -93,6 +94,9 @@ def fact(text: str, where: str = "deck") -> str:
         return _bytes(value)
     if name == "bubble":
         return f"{comm.grid_bubble(comm.schedule_grid(**_kwargs(rest, where))):.0%}"
+    if name in ("bubble_ratio", "dp_traffic"):  # (p-1)/m over ideal compute; ZeRO's bytes over DDP's
+        return (f"{comm.bubble_ratio(**_kwargs(rest, where)):.0%}" if name == "bubble_ratio"
+                else f"{comm.dp_traffic_vs_ddp(**_kwargs(rest, where)):.3g}x")
     if name == "ring":
         kw = _kwargs(rest, where)
         if "bandwidth" in kw:
@@ -100,7 +104,8 @@ def fact(text: str, where: str = "deck") -> str:
         if "bytes" in kw:
             return f"{comm.bytes_sent('all_reduce', kw['bytes'], kw['n']) / 1e6:.0f} MB"
         return f"{comm.bus_factor('all_reduce', kw['n']):.2f}"
-    raise ConfigError(f"{where}: unknown fact {name!r}; use mem, params, trainable, bubble or ring")
+    raise ConfigError(f"{where}: unknown fact {name!r}; use mem, params, trainable, bubble, bubble_ratio, "
+                      "dp_traffic or ring")
 
 
 def _bytes(value: float) -> str:

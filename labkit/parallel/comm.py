@@ -21,12 +21,14 @@ Pipelines with a flush (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2021 Se
 m micro-batches per step, v model chunks per stage (interleaved, Sec. 2.2.2). Every stage idles
 (p - 1) / v micro-batch slots while the pipeline fills and drains, so a step takes m + (p - 1) / v
 slots and the bubble is ((p - 1) / v) / (m + (p - 1) / v); (p - 1) / (m + p - 1) for v = 1, GPipe
-and 1F1B alike. They differ in memory: GPipe's stages hold all m micro-batches' activations at the
+and 1F1B alike (`bubble_ratio` gives the same idle time over the ideal compute instead, (p - 1) / m, as
+Narayanan et al. write it). They differ in memory: GPipe's stages hold all m micro-batches' activations at the
 peak, 1F1B's stage s at most p - s (it warms up with p - s - 1 forwards, then alternates).
 `schedule_grid` simulates the step op by op; its idle share (`stage_bubbles`) and peak held
 micro-batches (`max_in_flight`) are the formulas above, and the same functions read a MEASURED
 schedule (`events_of` a run's `ScheduleTrace`, `labkit.parallel.pipeline`).
-Introduced in notebooks 03_ddp (ring) and 07_model_parallel (pipelines).
+Introduced in notebooks 03_ddp (ring), 05_zero (`dp_passes`: ZeRO traffic per step) and 07_model_parallel
+(pipelines).
 """
 from __future__ import annotations
 
@@ -100,6 +102,41 @@ def step_slots(stages: int, microbatches: int, chunks: int = 1) -> float:
 def bubble_fraction(stages: int, microbatches: int, chunks: int = 1) -> float:
     """Idle share of each stage: (p - 1) / (m + p - 1), or ((p-1)/v) / (m + (p-1)/v) interleaved."""
     return warmup_slots(stages, chunks) / step_slots(stages, microbatches, chunks)
+
+
+def bubble_ratio(stages: int, microbatches: int, chunks: int = 1) -> float:
+    """The bubble over the ideal compute time: (p - 1) / m, or (1 / v)(p - 1) / m interleaved.
+
+    The form Narayanan et al. 2021 (Sec. 2.2.1-2.2.2) and the Ultra-Scale Playbook write; `bubble_fraction`
+    is the same idle time as a share of the whole step (always < 1; this ratio is not bounded by 1)."""
+    _positive(microbatches=microbatches)
+    return warmup_slots(stages, chunks) / microbatches
+
+
+# ----------------------------------------------------------------------------- data parallelism
+def dp_passes(zero: int, microbatches: int = 1, *, regather: bool = False) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) of each layer's bf16 weights / gradients per optimizer step.
+
+    DDP's all-reduce counts as one of each (a reduce-scatter, then an all-gather of the sums), once per
+    step (`no_sync` for the first m - 1 micro-batches). ZeRO-1 too (reduce-scatter, then an all-gather of
+    the updated weights). ZeRO-2 keeps gradients sharded, so every micro-batch reduce-scatters (m); ZeRO-3
+    / FULL_SHARD gathers before each forward and backward and reduce-scatters every micro-batch (3m; 4m
+    with DeepSpeed's re-gather for a recomputed forward). Keeping unsharded gradients across the
+    accumulation (FSDP2 `set_requires_gradient_sync(False)`, `no_sync`) brings the reduce-scatters back
+    to one per step, for the memory of full gradients. Rajbhandari et al. 2020 Sec. 7 count m = 1."""
+    _positive(microbatches=microbatches)
+    if zero not in (0, 1, 2, 3):
+        raise ConfigError(f"zero={zero!r}; ZeRO stages are 0, 1, 2 and 3")
+    m = microbatches
+    return {0: (1, 1), 1: (1, 1), 2: (1, m), 3: ((3 if regather else 2) * m, m)}[zero]
+
+
+def dp_traffic_vs_ddp(zero: int, microbatches: int = 1, *, regather: bool = False) -> float:
+    """Bytes a rank sends per step for data parallelism, over DDP's (same-size weights and gradients).
+
+    1 for ZeRO-1; (m + 1) / 2 for ZeRO-2 and 1.5 m for ZeRO-3 with m accumulated micro-batches: "stages
+    1-2 cost no extra communication" and "ZeRO-3 is 1.5x" hold for m = 1 only."""
+    return sum(dp_passes(zero, microbatches, regather=regather)) / sum(dp_passes(0))
 
 
 def in_flight(schedule: str, stages: int, microbatches: int, stage: int = 0) -> int:

@@ -5,7 +5,9 @@ optimizer state (ZeRO-3, Rajbhandari et al. 2020). Before a unit (a group of mod
 transformer block) runs, its parameters are all-gathered; after it ran they are freed again
 (`reshard_after_forward=True`), and its gradients are reduce-scattered so each rank keeps only its
 shard. Per rank and step that moves 3 x (N-1)/N x Psi bytes instead of DDP's 2 x (N-1)/N x Psi
-(ZeRO paper, Sec. 7.2.2: 1.5x the communication of data parallelism).
+(ZeRO paper, Sec. 7.2.2: 1.5x the communication of data parallelism) -- per micro-batch: with K
+accumulated micro-batches FULL_SHARD gathers and reduce-scatters K times, ~1.5K x DDP's bytes, unless
+gradients stay unsharded through the accumulation (`comm.dp_traffic_vs_ddp`).
 
 The registry names map onto ZeRO stages (see docs/sharding.md):
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from labkit.errors import ConfigError
+from labkit.parallel.budget import finetune_flops
 from labkit.parallel.single import Strategy
 
 #: Short names for Llama's linear layers (the memory estimator accepts the same ones).
@@ -53,7 +54,8 @@ class LoraSettings:
     rank: int = 8
     """r: rank of dW = B A. The LoRA paper finds r as small as 1-8 enough on W_q, W_v (Sec. 7.2)."""
     alpha: float = 16.0
-    """dW is scaled by alpha / r, so changing r does not change the update size at a fixed lr."""
+    """dW is scaled by alpha / r (Hu et al. 2022 Sec. 4.1). That scale still slows learning as r grows:
+    rsLoRA's alpha / sqrt(r) keeps large ranks stable (Kalajdzievski 2023; peft `use_rslora=True`)."""
     dropout: float = 0.0
     """Dropout on the adapter's input (0 keeps single and data-parallel runs loss-for-loss equal)."""
     targets: str = "q,v"
@@ -281,7 +283,7 @@ class LoraStrategy(Strategy):
         embed = model.get_input_embeddings().weight
         frozen = sum(_logical_numel(p) for p in model.parameters() if not p.requires_grad and p is not embed)
         adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        return (4.0 * frozen + 6.0 * adapters) * global_tokens
+        return finetune_flops(frozen, adapters, global_tokens)
 
     def record_facts(self) -> dict:
         from labkit.facts import PeftFacts

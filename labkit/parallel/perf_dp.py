@@ -93,15 +93,15 @@ def dp_time(lay, *, gpu, layers: int, params_on_gpu: float, fwd_s: float, bwd_s:
     ag = comm.bytes_sent("all_gather", layer_bytes, shard)
     rs = comm.bytes_sent("reduce_scatter", grad_bytes, shard)
     gather, scatter = ag / bw, rs / bw
+    regather = lay.zero == 3 and lay.checkpointing == "full" and not lay.fsdp  # DeepSpeed re-gathers for the recompute
+    n_ag, n_rs = comm.dp_passes(lay.zero, m, regather=regather)  # per layer and step (K micro-batches: K x)
+    sent = layers * (n_ag * (rs if lay.zero == 0 else ag) + n_rs * rs)  # DDP's all-gather moves the summed grads
     if lay.zero == 3:
-        regather = lay.checkpointing == "full" and not lay.fsdp  # DeepSpeed re-gathers for the recompute
-        n_gather = 3 if regather else 2
+        n_gather = n_ag // m
         per_mb = layers * (exposed_behind(gather, f) + exposed_behind((n_gather - 1) * gather + scatter, b)) + gather
         exposed, seconds = m * per_mb, m * layers * (n_gather * gather + scatter)
-        sent = m * layers * (n_gather * ag + rs)
     else:
         exposed, seconds = _stage012(lay, m, layers, gather, scatter, f, b)
-        sent = layers * {0: 2 * rs, 1: rs + ag, 2: m * rs + ag}[lay.zero]  # all-reduce = reduce-scatter + gather
     if lay.zero and shard < d:  # HSDP: all-reduce each gradient shard across the d / shard replicas, once
         replicas = d // shard
         cross = link_bandwidth(gpu, replicas, 1, inter_node_gbps)

@@ -66,10 +66,12 @@ def load_4bit(path: str | os.PathLike, *, device: torch.device | str = "cpu",
 def apply_qlora(model: nn.Module, group=None, *, cfg, checkpointing: bool = False) -> nn.Module:
     """LoRA on a 4-bit model from `load_4bit`: peft `prepare_model_for_kbit_training` + `apply_lora`.
 
-    prepare_model_for_kbit_training freezes everything and upcasts every non-4-bit weight to fp32.
-    Like the QLoRA reference script (artidoro/qlora, `get_accelerate_model`) we put the frozen
-    embedding and LM head back into the compute dtype -- for Llama-2-7B they are 0.26 B parameters,
-    1 GB extra in fp32 -- and keep only the norms in fp32.
+    prepare_model_for_kbit_training freezes everything and upcasts every 16-bit parameter that is not
+    4-bit to fp32 -- the norms, and also the embedding and LM head (peft/utils/other.py). Like the QLoRA
+    reference script (artidoro/qlora, `get_accelerate_model`) we put the frozen embedding and LM head
+    back into the compute dtype -- fp32 would add 2 B per parameter, +0.52 GB on Llama-2-7B, +2.1 GB on
+    Llama-3-8B (`labkit.memory.conventions.kbit_upcast_bytes`) -- and keep only the norms in fp32, which
+    is what `labkit.memory.estimate` assumes.
     """
     from peft import prepare_model_for_kbit_training
 

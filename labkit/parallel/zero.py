@@ -158,14 +158,17 @@ def import_deepspeed(device: torch.device):
     return deepspeed
 
 
-def comm_bytes_per_step(stage: int, param_bytes: int, n: int) -> dict[str, int]:
+def comm_bytes_per_step(stage: int, param_bytes: int, n: int, microbatches: int = 1) -> dict[str, int]:
     """Bytes each rank sends per step (ring, (n-1)/n x size per collective; ZeRO paper Sec. 7.2).
 
     Stages 1-2: reduce-scatter the gradients, all-gather the updated parameters (= DDP's all-reduce).
-    Stage 3: parameters are all-gathered in forward AND in backward: 1.5x data parallelism.
+    Stage 3: parameters are all-gathered in forward AND in backward: 1.5x data parallelism. That is for
+    one micro-batch per step: with `microbatches` m, stage 2 reduce-scatters every micro-batch and stage 3
+    gathers and reduces every micro-batch (`labkit.parallel.comm.dp_passes`).
     """
     ring = int(comm.bytes_sent("reduce_scatter", param_bytes, n))  # = all-gather's
-    return {"reduce_scatter": ring, "all_gather": ring * (2 if stage == 3 else 1)}
+    gathers, scatters = comm.dp_passes(stage, microbatches)
+    return {"reduce_scatter": ring * scatters, "all_gather": ring * gathers}
 
 
 # ------------------------------------------------------------------------------------------ hook
@@ -305,7 +308,7 @@ class ZeroStrategy(Strategy):
                         ds_optimizer=type(self.optimizer).__name__),
                     memory=MemoryFacts(offload=bool(self.offload), master_copy_bytes=sum(master),
                                        offload_physical=bool(self.offload) and devices.is_gpu(self.ctx.device)),
-                    comm=CommFacts.of(comm_bytes_per_step(self.stage, param_bytes, self.dp_size)),
+                    comm=CommFacts.of(comm_bytes_per_step(self.stage, param_bytes, self.dp_size, self.cfg.optim.accum)),
                     **({"notes": {"stand_in_precision": self.stand_in_note}} if self.stand_in_note else {}))
 
     # ------------------------------------------------------------------ checkpoint / teardown
