@@ -27,6 +27,8 @@ PEAK_TFLOPS = (
     ("A100", {"bfloat16": 312.0, "float16": 312.0, "tf32": 156.0, "float32": 19.5}),
     ("V100-PCIE", {"float16": 112.0, "float32": 14.0}),
     ("V100", {"float16": 125.0, "float32": 15.7}),
+    # Turing (Colab's and Kaggle's free GPU): fp16 tensor cores 65, no bf16 (docs/free-gpus.md)
+    ("T4", {"float16": 65.0, "float32": 8.1}),
 )
 
 
