@@ -82,11 +82,13 @@ def test_class_profiles_time_collectives_out_in_minutes(name):
     assert process_group(make_config("ddp", "tiny-llama", profile="smoke")).endswith("/300")  # the pools' key
 
 
-def test_preflight_launches_are_bounded():
+def test_preflight_launches_are_bounded_in_minutes_a_run():
     prof = get_profile("a100x4")
     runs = len([r for r in preflight.runs_for(prof) if r[0] != "single"])
-    assert runs > 2 and preflight.launch_limit(prof, runs) <= prof.timeout_s
+    assert runs > 2 and preflight.launch_limit(prof, runs) <= (runs + 2) * preflight.RUN_LIMIT_S < prof.timeout_s * runs
     assert preflight.launch_limit(prof, 1) < 15 * 60
+    smoke = get_profile("smoke")  # a CPU launch keeps its own (slower) limit per run
+    assert preflight.launch_limit(smoke, 20) == min(smoke.timeout_s * 20, preflight.launch_limit(prof, 20))
 
 
 # ------------------------------------------------------------------------------------------ G8

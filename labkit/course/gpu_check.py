@@ -189,9 +189,19 @@ def check_preflight(ctx: Context) -> Result:
     return Result(f"labkit preflight --profile {ctx.profile}", status, why, data={"tail": out[-2500:]})
 
 
+def _ensure_kernel() -> None:
+    """The notebooks' kernel spec `labkit` (a stock image has none): installed into this Python's prefix."""
+    from jupyter_client.kernelspec import find_kernel_specs
+
+    if "labkit" not in find_kernel_specs():
+        subprocess.run([sys.executable, "-m", "ipykernel", "install", "--sys-prefix", "--name", "labkit"],
+                       check=True, capture_output=True, timeout=60)
+
+
 def notebook_check(name: str) -> Callable[[Context], Result]:
     def check(ctx: Context) -> Result:
         _need_gpu(ctx, f"tests/test_rehearsal.py rehearses {name} for {PROFILE} and tests/test_notebooks.py runs it")
+        _ensure_kernel()
         budget = min(NOTEBOOK_BUDGET_S[name], ctx.left())
         code, out = _subprocess([*_LABKIT, "notebooks", "run", name, "--profile", ctx.profile,
                                  "--out", str(ctx.out / "executed")], budget)
@@ -285,6 +295,7 @@ def run_checks(out: str | Path = "build/gpu-check", *, budget_s: float = BUDGET_
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the GPU machine has no network: never wait on the Hub
     ctx = Context(out=out, gpu=torch.cuda.is_available() if gpu is None else gpu, deadline=time.monotonic() + budget_s)
     results: list[Result] = []
     for name, check in CHECKS:

@@ -262,8 +262,9 @@ RUN_LIMIT_S = 300.0
 
 
 def launch_limit(prof: Profile, runs: int) -> float:
-    """One launch's wall limit: `RUN_LIMIT_S` a run (+ probes, burn-in), at most the profile's hour."""
-    return min(prof.timeout_s, RUN_LIMIT_S * (max(1, runs) + 1) + node_health.BURN_IN_S)
+    """One launch's wall limit: `RUN_LIMIT_S` a run (+ probes, burn-in), never more than the profile's own."""
+    runs = max(1, runs)
+    return min(prof.timeout_s * runs, RUN_LIMIT_S * (runs + 1) + node_health.BURN_IN_S)
 
 
 def _from_record(record, seconds: float, options: dict) -> Check:
