@@ -99,8 +99,10 @@ rehearse: venv ds-ops
 # in `make test` (tests/test_gpu_check.py). On a stock PyTorch CUDA image without our venv:
 # `make gpu-check GPU_PY=python3` after `pip install --no-index build/gpu-check/wheels/*.whl`.
 GPU_PY ?=
+# GPU_CHECK_ARGS: e.g. --budget 900 when the machine is yours for longer than 8 minutes.
+GPU_CHECK_ARGS ?=
 gpu-check: $(if $(GPU_PY),,venv)
-	$(or $(GPU_PY),$(BIN)/python) scripts/gpu_check.py --out $(BUILD)/gpu-check
+	$(or $(GPU_PY),$(BIN)/python) scripts/gpu_check.py --out $(BUILD)/gpu-check $(GPU_CHECK_ARGS)
 
 # The wheels gpu-check needs beyond a stock PyTorch CUDA image (labkit.course.gpu_check.WHEELS), downloaded
 # here (network) for the GPU machine (none): pinned by the lock, no dependencies (the image has them).

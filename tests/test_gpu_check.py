@@ -43,3 +43,7 @@ def test_the_wheels_fit_and_are_pinned():
     assert sum(gpu_check.WHEELS.values()) <= 60
     pins = gpu_check.pinned_wheels(ROOT / "requirements" / "lock.txt")
     assert len(pins) == len(gpu_check.WHEELS) and all("==" in p for p in pins)
+
+
+def test_the_notebooks_it_runs_exist():
+    assert all((ROOT / "notebooks" / f"{name}.ipynb").is_file() for name in gpu_check.NOTEBOOK_BUDGET_S)

@@ -29,7 +29,7 @@ from typing import Callable
 PROFILE = "h100x1"
 #: Seconds for the whole check (8 minutes, the issue's bound) and per notebook.
 BUDGET_S = 480.0
-NOTEBOOK_BUDGET_S = {"00_setup": 45.0, "01_memory": 60.0, "06_lora_qlora": 90.0, "02_single_gpu": 120.0}
+NOTEBOOK_BUDGET_S = {"00_setup": 45.0, "01_memory": 60.0, "06_peft": 90.0, "02_single_gpu": 120.0}
 #: Published references: NVIDIA DeepLearningExamples, PyTorch ResNet-50 v1.5, "Training performance: DGX A100"
 #: (AMP, batch 256, 1 GPU); TinyLlama (Zhang et al. 2024, sec. 2.3): 24k tokens/s per A100-40GB, i.e.
 #: 6 x 1.1e9 x 24e3 / 312e12 = 51% MFU with FlashAttention-2 and fused kernels.
@@ -248,7 +248,7 @@ def check_resnet_amp(ctx: Context) -> Result:
     from labkit.train.api import run
 
     record = run("single", "resnet50", profile=ctx.profile, steps=30, amp="bf16", channels_last=True, batch=256,
-                 progress=False, eval_batches=0, out=str(ctx.out / "runs"))
+                 data="synthetic", progress=False, eval_batches=0, out=str(ctx.out / "runs"))
     share = record.samples_per_s / RESNET50_AMP_IMG_S_A100
     return Result("ResNet-50 AMP img/s vs NVIDIA's A100 2470", "pass" if share >= 0.5 else "fail",
                   f"{record.samples_per_s:.0f} img/s = {share:.2f} x NVIDIA's A100 number",
@@ -280,12 +280,14 @@ def check_wheels(ctx: Context) -> Result:
 
 
 #: (name, check) in the order they run: cheap and decisive first, then the measurements, then the long ones.
+#: All of them take more than 8 minutes on one GPU: what the budget leaves out is reported skipped.
 CHECKS: list[tuple[str, Callable[[Context], Result]]] = [
     ("machine", check_machine), ("wheels", check_wheels), ("node health", check_node_health),
     ("bitsandbytes CUDA library", check_bitsandbytes), ("G1: fork after the Llama import", check_fork_after_llama),
     ("memory: estimator vs measured", check_memory), ("ResNet-50 AMP img/s", check_resnet_amp),
-    ("LLM step MFU", check_llm_mfu), (f"labkit preflight --profile {PROFILE}", check_preflight),
-    *((f"notebook {n}", notebook_check(n)) for n in ("00_setup", "01_memory", "06_lora_qlora", "02_single_gpu")),
+    ("LLM step MFU", check_llm_mfu),
+    *((f"notebook {n}", notebook_check(n)) for n in ("00_setup", "01_memory", "06_peft", "02_single_gpu")),
+    (f"labkit preflight --profile {PROFILE}", check_preflight),  # last: the longest, it takes what is left
 ]
 
 
