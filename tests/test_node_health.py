@@ -98,3 +98,13 @@ def test_burn_in_runs_and_is_bounded():
     assert result["windows_tflops"] and all(w > 0 for w in result["windows_tflops"])
     with pytest.raises(ConfigError, match="0 \\(none\\) to 60"):
         node_health.check_burn_in(600)
+
+
+def test_the_cli_takes_a_bounded_burn_in():
+    from click.testing import CliRunner
+
+    from labkit.cli.preflight import command
+
+    assert "--burn-in" in CliRunner().invoke(command, ["--help"]).output
+    result = CliRunner().invoke(command, ["--profile", "smoke", "--burn-in", "600"])
+    assert result.exit_code == 2 and "600" in result.output  # refused before anything runs
