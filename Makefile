@@ -33,7 +33,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(BUILD)/torch_extensions
 export MPLBACKEND := Agg
 PYTEST_ARGS ?=
 
-.PHONY: lab torch-index test ds-ops test-fast test-changed test-profile smoke rehearse venv lock kernel clean-notebooks clean bench slides chromium bubblewrap student site site-deps
+.PHONY: gpu-check gpu-check-wheels lab torch-index test ds-ops test-fast test-changed test-profile smoke rehearse venv lock kernel clean-notebooks clean bench slides chromium bubblewrap student site site-deps
 
 $(BIN)/.installed: pyproject.toml $(LOCK)
 	@if [ -n "$(NATIVE_WINDOWS)" ]; then echo "$(WINDOWS_NOTE)"; exit 1; fi
@@ -113,6 +113,24 @@ smoke: venv
 PROFILE ?= a100x4
 rehearse: venv ds-ops
 	$(BIN)/labkit notebooks run --profile $(PROFILE) --rehearse --out $(BUILD)/rehearsed/$(PROFILE)
+
+# The acceptance check for the first GPU (docs/gpu-node.md; labkit/course/gpu_check.py): under 8 minutes,
+# build/gpu-check/report.{json,md}. Without a GPU it rehearses (GPU-only checks skipped, saying why); it runs
+# in `make test` (tests/test_gpu_check.py). On a stock PyTorch CUDA image without our venv:
+# `make gpu-check GPU_PY=python3` after `pip install --no-index build/gpu-check/wheels/*.whl`.
+GPU_PY ?=
+# GPU_CHECK_ARGS: e.g. --budget 900 when the machine is yours for longer than 8 minutes.
+GPU_CHECK_ARGS ?=
+gpu-check: $(if $(GPU_PY),,venv)
+	$(or $(GPU_PY),$(BIN)/python) scripts/gpu_check.py --out $(BUILD)/gpu-check $(GPU_CHECK_ARGS)
+
+# The wheels gpu-check needs beyond a stock PyTorch CUDA image (labkit.course.gpu_check.WHEELS), downloaded
+# here (network) for the GPU machine (none): pinned by the lock, no dependencies (the image has them).
+gpu-check-wheels: venv
+	mkdir -p $(BUILD)/gpu-check/wheels
+	$(BIN)/python -m pip wheel --no-deps -w $(BUILD)/gpu-check/wheels \
+	  $$($(BIN)/python -c "from labkit.course.gpu_check import pinned_wheels; print(*pinned_wheels('$(LOCK)'))")
+	du -sh $(BUILD)/gpu-check/wheels
 
 bench: venv
 	for f in bench/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done

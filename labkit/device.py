@@ -220,6 +220,25 @@ def release_meshes(keep: int = 0) -> int:
     return done
 
 
+def abort_groups(keep: int = 0) -> bool:
+    """After a failure on this rank: forget the meshes built after the first `keep` WITHOUT destroying
+    their groups, and abort this rank's NCCL communicators. `destroy_process_group` after a rank raised
+    waits for peers still inside a collective (pytorch#141510: the job hangs until the timeout); an
+    abort ends this rank's pending NCCL work at once, and the launcher stops the peers (issue 38, G4).
+    gloo (CPU, rehearsal) has no abort: the groups are left to the process's exit. Returns whether NCCL
+    was aborted. Unverified on hardware: `_abort_process_group` is torch's experimental, private API."""
+    import torch.distributed as dist
+
+    del _MESHES[keep:]
+    if standing_in():
+        record("abort_groups", keep=keep)
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return False
+    with contextlib.suppress(RuntimeError, ValueError):  # already aborted by NCCL's watchdog
+        dist.distributed_c10d._abort_process_group()
+    return True
+
+
 def mesh_count() -> int:
     return len(_MESHES)
 

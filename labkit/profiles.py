@@ -47,7 +47,12 @@ class Profile:
     lr: float
     """Default learning rate (AdamW) for a global batch of this profile's size."""
     timeout_s: float
-    """Wall-clock limit for one launched run before all ranks are stopped."""
+    """Wall-clock limit for one launched run before all ranks are stopped (a whole run: an hour on a node)."""
+    collective_timeout_s: float = 600.0
+    """How long one collective may wait for its peers before the process group fails it (torch's
+    `init_process_group(timeout=)`). Minutes, not the run's hour: after one rank fails, the others
+    must not sit in an all-reduce until `timeout_s` (issue 38, G4). Unverified on hardware: NCCL's
+    watchdog enforces it only with async error handling on (torch's default since 2.2)."""
     gpu_name: str = ""
     """Marketing name of the GPU, '' on CPU."""
     gpu_memory_gb: float = 0.0
@@ -68,7 +73,7 @@ class Profile:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"profile {self.name!r}: {field}={value!r}; it must be a positive integer")
-        for field in ("lr", "timeout_s"):
+        for field in ("lr", "timeout_s", "collective_timeout_s"):
             if not getattr(self, field) > 0:
                 raise ConfigError(f"profile {self.name!r}: {field}={getattr(self, field)!r}; it must be > 0")
 
@@ -77,7 +82,8 @@ def smoke() -> Profile:
     """CPU, gloo, tiny models, 2 ranks: seconds per run. What CI and GPU-less learners run."""
     return Profile(name="smoke", device="cpu", backend="gloo", nproc=2, dtype="float32",
                    llm_model="tiny-llama", vision_model="tiny-resnet", image_batch=16, llm_batch=8,
-                   seq_len=32, image_size=32, steps=20, lr=3e-3, timeout_s=300.0)
+                   seq_len=32, image_size=32, steps=20, lr=3e-3, timeout_s=300.0,
+                   collective_timeout_s=300.0)
 
 
 def smoke_bf16() -> Profile:

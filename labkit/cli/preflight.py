@@ -22,9 +22,11 @@ import click
 @click.option("--profile", default="smoke", show_default=True, help="smoke, smoke-bf16, a100x1, a100x4, h100x1, v100x4")
 @click.option("--out", default=None, help="folder for preflight.json and the runs [build/preflight/PROFILE]")
 @click.option("--steps", type=int, default=3, show_default=True, help="optimizer steps per strategy")
+@click.option("--burn-in", "burn_in_s", type=click.FloatRange(0, 60), default=0, show_default=True,
+              help="seconds of dense matmuls on every GPU before judging them (a GPU that throttles once hot)")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON list of checks instead of lines")
 @click.pass_context
-def command(ctx, profile: str, out: str | None, steps: int, as_json: bool) -> None:
+def command(ctx, profile: str, out: str | None, steps: int, burn_in_s: float, as_json: bool) -> None:
     """Train every (strategy, precision, variant) the profile's labs use for a few steps, probe all-reduce
     and matmul against the node's expected numbers, and check that every lab's runs resolve and fit;
     exit 0 only if all pass."""
@@ -32,7 +34,7 @@ def command(ctx, profile: str, out: str | None, steps: int, as_json: bool) -> No
 
     folder = out or f"build/preflight/{profile}"
     with contextlib.redirect_stdout(sys.stderr):  # the runs' own messages must not mix into --json
-        checks = preflight.run(profile, out=folder, steps=steps)
+        checks = preflight.run(profile, out=folder, steps=steps, burn_in_s=burn_in_s)
     if as_json:
         click.echo(json.dumps([dataclasses.asdict(c) for c in checks], indent=1))
     else:

@@ -46,6 +46,9 @@ def format_batch_report(report: dict) -> str:
             " (over budget)" if budget and peak > budget else "")
         lines.append(f"  micro-batch {batch:>5}: {verdict}")
     lines.append(f"largest micro-batch that fits: {report['max_micro_batch']}")
+    if report.get("safe_micro_batch"):
+        lines.append(f"  run at {report['safe_micro_batch']}: 3/4 of it leaves room for what a probe does not "
+                     "carry (new cuDNN workspaces, fragmentation)")
     if report.get("limit_reached"):
         lines.append(f"  (every probe up to the limit {report['limit']} fit: the true maximum is larger)")
     return "\n".join(lines)

@@ -172,15 +172,22 @@ def probe_rank(spec: dict, cfg, ctx) -> None:
         for size in commbench.parse_sizes(ALL_SIZES[device.type], world):
             seconds = commbench.time_collective("all_reduce", size, group=None, device=device, warmup=2, iters=5)
             all_rows.append(commbench.measurement("all_reduce", size, seconds, world, dist.get_backend()))
+    mine = {"pairs": rows, "matmul": {"rank": ctx.rank, **_matmul(device, cfg.precision.amp)}}
+    if spec.get("burn_in_s"):  # labkit preflight --burn-in S: minutes of heat a 0.1-s matmul cannot show
+        from labkit.course import node_health
+        mine["burn_in"] = {"rank": ctx.rank, **node_health.burn_in(device, cfg.precision.amp, spec["burn_in_s"])}
     gathered = [None] * world
-    dist.all_gather_object(gathered, {"pairs": rows, "matmul": {"rank": ctx.rank, **_matmul(device, cfg.precision.amp)}})
+    dist.all_gather_object(gathered, mine)
     if ctx.is_main:
         # Both ranks of a pair timed it; the all-reduce is done when the slower one is (as commbench's max).
         pair_rows = {}
         for r in sorted((r for part in gathered for r in part["pairs"]), key=lambda r: r["seconds"]):
-            pair_rows[tuple(r["ranks"])] = r
-        data = {"run_id": spec["run_id"], "allreduce": [pair_rows[k] for k in sorted(pair_rows)], "comm": [dataclasses.asdict(r) for r in all_rows],
-                "matmul": [part["matmul"] for part in gathered]}
+            before = pair_rows.get(tuple(r["ranks"]), {}).get("wrong_elements", 0)  # either end saw bad data
+            pair_rows[tuple(r["ranks"])] = {**r, "wrong_elements": max(before, r.get("wrong_elements", 0))}
+        data = {"run_id": spec["run_id"], "allreduce": [pair_rows[k] for k in sorted(pair_rows)],
+                "comm": [dataclasses.asdict(r) for r in all_rows],
+                "matmul": [part["matmul"] for part in gathered],
+                "burn_in": [part["burn_in"] for part in gathered if "burn_in" in part]}
         Path(spec["out"]).write_text(json.dumps(data, indent=1), encoding="utf-8")
         if all_rows:
             commbench.save(all_rows, Path(spec["out"]).parent, warmup=2, iters=5)
@@ -196,10 +203,10 @@ def _pair_row(pair: tuple[int, int], ctx) -> dict | None:
     row = None
     if ctx.rank in pair:
         n = PAIR_ELEMENTS[ctx.device.type]
-        seconds = _median_allreduce(torch.ones(n, device=ctx.device), group, ctx.device)
+        seconds, wrong = _median_allreduce(torch.empty(n, device=ctx.device), group, ctx.device)
         algbw = n * 4 / seconds / 1e9
         row = {"ranks": list(pair), "bytes": n * 4, "seconds": seconds, "algbw_GBps": algbw,
-               "busbw_GBps": algbw * comm.bus_factor("all_reduce", 2)}
+               "busbw_GBps": algbw * comm.bus_factor("all_reduce", 2), "wrong_elements": wrong}
         dist.destroy_process_group(group)
     dist.barrier()
     return row
@@ -212,18 +219,26 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_allreduce(tensor, group, device, repeats: int = 5) -> float:
+def _median_allreduce(tensor, group, device, repeats: int = 5, collective=None) -> tuple[float, int]:
+    """(median seconds of one all-reduce of `tensor` in `group`, elements that came back wrong). Every member
+    contributes its rank in the group + 1, so each element must sum to m(m+1)/2: a P2P path or NIC that
+    returns stale or corrupt data fails, however fast (issue 38, G5). `collective`: dist.all_reduce."""
     import torch.distributed as dist
 
-    dist.all_reduce(tensor, group=group)  # warm-up: the NCCL communicator is built here
-    times = []
-    for _ in range(repeats):
+    collective = collective or dist.all_reduce
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    expected = size * (size + 1) / 2  # exact in fp32 for any node's group size
+    times, wrong = [], 0
+    for i in range(repeats + 1):  # the first is the warm-up: the NCCL communicator is built there
+        tensor.fill_(me + 1)
         _sync(device)
         start = time.perf_counter()
-        dist.all_reduce(tensor, group=group)
+        collective(tensor, group=group)
         _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        if i:
+            times.append(time.perf_counter() - start)
+        wrong = max(wrong, int((tensor != expected).sum()))
+    return statistics.median(times), wrong
 
 
 def _matmul(device, amp: str) -> dict:

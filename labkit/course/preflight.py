@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labkit import parallel
-from labkit.course import node_probes, profile_check
+from labkit.course import node_health, node_probes, profile_check
 from labkit.errors import LabkitError
 from labkit.profiles import Profile
 
@@ -46,7 +46,7 @@ class Check:
     """One preflight line."""
 
     kind: str
-    """'labs', 'strategy', 'accelerate' or 'probe'."""
+    """'labs', 'health', 'strategy', 'accelerate' or 'probe'."""
     strategy: str
     """The strategy trained, 'labs' or the probe's name ('all-reduce', 'matmul')."""
     status: str
@@ -110,21 +110,25 @@ def labs_checks(profile: Profile) -> list[Check]:
     return out
 
 
-def run(profile: str | Profile, *, out: str | Path = "build/preflight", steps: int = 3) -> list[Check]:
-    """Every check for `profile` on this machine, under a new run id; everything measured lands in OUT."""
+def run(profile: str | Profile, *, out: str | Path = "build/preflight", steps: int = 3,
+        burn_in_s: float = 0.0) -> list[Check]:
+    """Every check for `profile` on this machine, under a new run id; everything measured lands in OUT.
+    `burn_in_s` (at most `node_health.BURN_IN_S`): every GPU at dense matmuls that long (throttling)."""
     from labkit.envinfo import require
+
+    node_health.check_burn_in(burn_in_s)
 
     prof = require(profile)  # a GPU profile without its GPUs stops here, in one line
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     run_id = new_run_id()
-    checks = labs_checks(prof)
+    checks = labs_checks(prof) + health_checks(node_health.read())
     common = dict(profile=prof.name, steps=steps, warmup_steps=1, eval_batches=0, progress=False, out=str(out))
     plan = [(s, m, o, f"{run_id}-{i:02d}-{s}") for i, (s, m, o) in enumerate(runs_for(prof))]
     checks += [_single(model, options, {**common, "run_id": rid}) for s, model, options, rid in plan if s == "single"]
     many = [(s, {**o, "model": m, "run_id": rid}) for s, m, o, rid in plan if s != "single"]
     checks += accelerate_checks(prof, out, steps)
-    checks += _train_many(prof, many, common, out, run_id)
+    checks += _train_many(prof, many, common, out, run_id, burn_in_s)
     probes = load_probes(out, run_id)
     topology = node_probes.rank_topology(node_probes.read_topology(), prof.nproc) if prof.device == "cuda" else {}
     checks += probe_checks(probes, prof, topology)
@@ -211,7 +215,7 @@ def _single(model: str, options: dict, common: dict) -> Check:
     return _from_record(record, time.perf_counter() - start, options)
 
 
-def _train_many(prof: Profile, runs: list, common: dict, out: Path, run_id: str) -> list[Check]:
+def _train_many(prof: Profile, runs: list, common: dict, out: Path, run_id: str, burn_in_s: float = 0.0) -> list[Check]:
     """Runs in one launch; after a failure, the runs after the failed one in a new launch. Records are
     found by this preflight's run ids only, so an earlier preflight's records in OUT never count."""
     from labkit.errors import LaunchError
@@ -219,12 +223,14 @@ def _train_many(prof: Profile, runs: list, common: dict, out: Path, run_id: str)
     from labkit.train.many import run_many
 
     checks: list[Check] = []
-    probe = ("labkit.course.node_probes:probe_rank", {"out": str(out / PROBES_FILE), "run_id": run_id})
+    probe = ("labkit.course.node_probes:probe_rank", {"out": str(out / PROBES_FILE), "run_id": run_id,
+                                                       "burn_in_s": burn_in_s})
     pending = list(runs)
     while pending:
         start = time.time()
         try:
-            run_many(pending, prof.llm_model, nproc=prof.nproc, stream=False, before=probe, **common)
+            run_many(pending, prof.llm_model, nproc=prof.nproc, stream=False, before=probe,
+                     timeout_s=launch_limit(prof, len(pending)), **common)
             error = None
         except (LaunchError, RuntimeError) as exc:
             error = exc
@@ -249,6 +255,16 @@ def _train_many(prof: Profile, runs: list, common: dict, out: Path, run_id: str)
         checks.append(_failed(failed_name, failed_own["model"], time.time() - last, error, prof.name, failed_own))
         pending = pending[len(done) + 1:]
     return checks
+
+
+#: Seconds one preflight run (a few steps, its model's load included) may take (issue 38, G4).
+RUN_LIMIT_S = 300.0
+
+
+def launch_limit(prof: Profile, runs: int) -> float:
+    """One launch's wall limit: `RUN_LIMIT_S` a run (+ probes, burn-in), never more than the profile's own."""
+    runs = max(1, runs)
+    return min(prof.timeout_s * runs, RUN_LIMIT_S * (runs + 1) + node_health.BURN_IN_S)
 
 
 def _from_record(record, seconds: float, options: dict) -> Check:
@@ -296,7 +312,10 @@ def probe_checks(probes: dict | None, profile: Profile, topology: dict | None = 
         expected_pairs.append(exp)
         name = f"all-reduce {pair[0]}-{pair[1]}"
         measured = f"{r['busbw_GBps']:.2f} GB/s busbw ({r['bytes'] / 2**20:.0f} MiB)"
-        if exp is not None and bar.link == "nvlink" and exp.link == "pcie":
+        if r.get("wrong_elements"):  # wrong data is a broken node at any speed (issue 38, G5)
+            checks.append(Check("probe", name, "failed", r["seconds"], f"{measured}, but {r['wrong_elements']} "
+                                f"element(s) of the sum came back wrong", "a corrupting link: " + _LINK_FIX))
+        elif exp is not None and bar.link == "nvlink" and exp.link == "pcie":
             checks.append(Check("probe", name, "failed", r["seconds"], f"{measured} over PCIe (topology {cell}); "
                                 f"profile {profile.name} expects NVLink between its GPUs", _LINK_FIX))
         else:
@@ -318,7 +337,14 @@ def probe_checks(probes: dict | None, profile: Profile, topology: dict | None = 
         measured = f"{who} {m['rank']} {m['device']}: {m['n']}^2 {m['dtype']} {m['tflops']:.3g} TFLOPS"
         checks.append(_judged(f"matmul {m['rank']}", m["seconds"], m["tflops"], exp, bar and bar.tflops_share,
                               measured, "", "TFLOPS", _GPU_FIX))
+    checks += health_checks(node_health.judge_burn_ins(probes.get("burn_in", []), _GPU_FIX), "probe")
     return checks
+
+
+def health_checks(readings: list[dict], kind: str = "health") -> list[Check]:
+    """`node_health` readings (ECC, remapped rows, Xid, MIG, compute mode, other processes; burn-ins) as checks."""
+    return [Check(kind, r["name"], "ok" if r["ok"] else "failed", r.get("seconds", 0.0), r["detail"], r["fix"])
+            for r in readings]
 
 
 def _judged(name: str, seconds: float, value: float, exp, share, measured: str, where: str, unit: str,

@@ -69,6 +69,18 @@ def _bucket_sizes(hidden: int | None, numel: int, prefetch: bool) -> dict:
             "stage3_max_reuse_distance": 0}
 
 
+#: DeepSpeed's fp16 loss scaler set to behave as torch's GradScaler (the ddp/fsdp runs of 05 use it), so
+#: an fp16 node (v100x4, t4x2) skips the same overflow steps in both (issue 38, G6): GradScaler starts at
+#: 2^16, halves on EVERY overflow (DeepSpeed's default hysteresis 2 halves only on the second) and doubles
+#: after 2000 clean steps; DeepSpeed doubles when (steps since the last overflow - 1) is a multiple of its
+#: window, i.e. after window + 1 clean steps: 1999 lands the first doubling on GradScaler's step. Later
+#: doublings drift by a step per 2000 (DeepSpeed every 1999 after that), beyond any lab's run.
+#: tests/test_loss_scalers.py feeds both scalers one overflow sequence. min_loss_scale 1 (DeepSpeed raises
+#: there; GradScaler has no floor) is never reached by a healthy run.
+FP16_LOSS_SCALE = {"loss_scale": 0, "initial_scale_power": 16, "hysteresis": 1, "consecutive_hysteresis": False,
+                   "loss_scale_window": 1999, "min_loss_scale": 1}
+
+
 def ds_config(cfg, stage: int, offload: bool, *, dp: int, hidden: int | None, numel: int,
               gpu: bool = False, cast_buffers: bool = False) -> dict:
     """The DeepSpeed JSON config of one run (a resolved TrainConfig `cfg`).
@@ -112,7 +124,7 @@ def ds_config(cfg, stage: int, offload: bool, *, dp: int, hidden: int | None, nu
         "optimizer": {"type": "AdamW", "params": adam},
         "zero_optimization": zero,
         "bf16": {"enabled": cfg.precision.amp == "bf16"},
-        "fp16": {"enabled": cfg.precision.amp == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "fp16": {"enabled": cfg.precision.amp == "fp16", **FP16_LOSS_SCALE},
         **({"data_types": {"buffer_dtype": cfg.precision.amp}} if cast_buffers and cfg.precision.amp in ("bf16", "fp16") else {}),
         "gradient_clipping": 0.0,
         "steps_per_print": 1_000_000_000,

@@ -86,7 +86,7 @@ def process_group(cfg: TrainConfig) -> str:
     from labkit.profiles import get_profile
 
     prof = get_profile(cfg.run.profile)
-    return f"{prof.backend}/{prof.device}/{prof.timeout_s:g}"
+    return f"{prof.backend}/{prof.device}/{prof.collective_timeout_s:g}"
 
 
 def require_hardware(profile: str) -> None:

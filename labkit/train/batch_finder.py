@@ -33,14 +33,26 @@ DEFAULT_LIMIT = 1 << 16
 #: with simulated errors.
 OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
                 "CUDNN_STATUS_ALLOC_FAILED")
+#: cuDNN status errors that mean out of memory while a probe is near the limit: cuDNN fails allocations
+#: inside its kernels as INTERNAL_ERROR / EXECUTION_FAILED (pytorch#81620). Only probes count them (a
+#: run's INTERNAL_ERROR elsewhere is a bug to see). Unverified on hardware here (issue 38, G3).
+PROBE_OOM_MESSAGES = ("CUDNN_STATUS_INTERNAL_ERROR", "CUDNN_STATUS_EXECUTION_FAILED")
+#: The share of the largest batch that fitted once which a later run uses (`safe_micro_batch`): the
+#: probe's peak has no MemTracker, no new cuDNN workspaces and no fragmentation on top (issue 38, G3).
+MARGIN = 0.75
 
 
-def is_oom(exc: BaseException) -> bool:
-    """True if `exc` means the device ran out of memory (see OOM_MESSAGES)."""
+def is_oom(exc: BaseException, *, probing: bool = False) -> bool:
+    """True if `exc` means the device ran out of memory (OOM_MESSAGES; while `probing` also PROBE_OOM_MESSAGES)."""
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(m.lower() in text.lower() for m in OOM_MESSAGES)
+    text, known = str(exc).lower(), OOM_MESSAGES + (PROBE_OOM_MESSAGES if probing else ())
+    return isinstance(exc, RuntimeError) and any(m.lower() in text for m in known)
+
+
+def safe_batch(largest: int, smallest: int = 1) -> int:
+    """MARGIN of the largest micro-batch that fitted once, at least `smallest` (0 when nothing fitted)."""
+    return max(smallest, int(largest * MARGIN)) if largest else 0
 
 
 def search_max(fits: Callable[[int], bool], *, start: int = 1, limit: int = DEFAULT_LIMIT) -> int:
@@ -108,7 +120,7 @@ def _step_peak(hook, cfg, b: int) -> int | None:
             hook.train_step([batch], wrap(hook.task.loss))
         return peak.result()
     except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError
-        if not is_oom(exc):
+        if not is_oom(exc, probing=True):
             raise
         return None
     finally:
@@ -118,13 +130,23 @@ def _step_peak(hook, cfg, b: int) -> int | None:
 
 
 def find_max_batch(model: str, *, profile: str = "smoke", budget_mb: float | None = None,
-                   limit: int = DEFAULT_LIMIT, **options) -> dict:
+                   limit: int = DEFAULT_LIMIT, isolate: bool | None = None, **options) -> dict:
     """The largest micro-batch of `model` one device trains (AMP / checkpointing / channels_last via options).
 
-    Returns {'max_micro_batch', 'limit_reached', 'budget_bytes', 'probes': [[batch, peak_bytes or None],
-    ...], 'device', ...}. `limit_reached` is True when no probe up to `limit` failed: then
-    'max_micro_batch' is only a lower bound (raise `limit`). The device memory is freed at the end.
+    Returns {'max_micro_batch', 'safe_micro_batch' (MARGIN of it: what to run at), 'limit_reached',
+    'budget_bytes', 'probes': [[batch, peak_bytes or None], ...], 'device', ...}. `limit_reached` is True
+    when no probe up to `limit` failed: then 'max_micro_batch' is only a lower bound (raise `limit`).
+    `isolate` (default: on a GPU, not in a rehearsal) probes in a fresh interpreter: the caller's process
+    (a notebook's kernel) never holds a CUDA context an out-of-memory cuDNN error may have broken, nor
+    the probes' cached blocks. The device memory is freed at the end.
     """
+    if isolate is None:
+        from labkit import rehearsal
+        from labkit.profiles import get_profile
+
+        isolate = get_profile(profile).device == "cuda" and not rehearsal.active()
+    if isolate:
+        return _isolated(dict(model=model, profile=profile, budget_mb=budget_mb, limit=limit, **options))
     cfg, hook = _probe_hook(model, profile, **options)
     device = hook.ctx.device
     if not devices.is_gpu(device) and budget_mb is None:
@@ -139,14 +161,16 @@ def find_max_batch(model: str, *, profile: str = "smoke", budget_mb: float | Non
         return peak is not None and (budget is None or peak <= budget)
 
     # BatchNorm cannot normalise one sample per channel in training mode: image models start at 2.
+    start = 2 if hook.task.kind == "vision" else 1
     try:
-        best = search_max(fits, start=2 if hook.task.kind == "vision" else 1, limit=limit)
+        best = search_max(fits, start=start, limit=limit)
     finally:
         hook.close()
         del hook
         free_device_memory(device, reset_peak=True)
     reached = all(peak is not None and (budget is None or peak <= budget) for _, peak in probes)
-    return {"model": model, "max_micro_batch": best, "limit_reached": reached, "limit": limit,
+    return {"model": model, "max_micro_batch": best, "safe_micro_batch": safe_batch(best, start),
+            "limit_reached": reached, "limit": limit,
             "budget_bytes": budget, "probes": probes, "device": str(device), "amp": cfg.precision.amp,
             "checkpointing": cfg.memory.checkpointing}
 
@@ -183,3 +207,28 @@ def memory_breakdown(model: str, *, profile: str = "smoke", batch: int | None = 
     del hook, x, y
     free_device_memory(device, reset_peak=True)
     return out
+
+
+def _isolated(kwargs: dict) -> dict:
+    """`find_max_batch(**kwargs, isolate=False)` in a fresh interpreter; its report."""
+    import json
+    import subprocess
+    import sys
+
+    from labkit.errors import LabkitError
+
+    proc = subprocess.run([sys.executable, "-m", "labkit.train.batch_finder", json.dumps(kwargs)],
+                          capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode or not lines:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
+        raise LabkitError(f"the batch probes of {kwargs['model']} failed in their own process "
+                          f"(exit {proc.returncode}):\n{tail}")
+    return json.loads(lines[-1])
+
+
+if __name__ == "__main__":  # `_isolated`'s child: one JSON argument, the report as the last line
+    import json
+    import sys
+
+    print(json.dumps(find_max_batch(**json.loads(sys.argv[1]), isolate=False)))

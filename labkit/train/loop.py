@@ -65,15 +65,20 @@ def configure_backends(device: torch.device) -> None:
 def train(cfg, ctx):
     """Run `cfg` on this rank (`ctx`); returns the RunRecord on rank 0, None elsewhere.
 
-    The meshes the run built are destroyed with it: their NCCL communicators hold GPU memory the
-    allocator's peak does not show, and a launch that runs several configs would keep them all."""
+    The meshes a finished run built are destroyed with it: their NCCL communicators hold GPU memory the
+    allocator's peak does not show, and a launch that runs several configs would keep them all. A run
+    that raised destroys nothing (a peer may still wait in a collective: destroy would hang, issue 38 G4):
+    its groups are aborted (`labkit.device.abort_groups`) and the error goes on to the launcher."""
     cfg = cfg.resolve()
     meshes = devices.mesh_count()
     try:
         with memcap.applied(cfg.memory.memory_cap_gb, ctx.device):  # --memory-cap-gb on CUDA: the allocator's limit
-            return _train(cfg, ctx)
-    finally:
-        devices.release_meshes(meshes)
+            record = _train(cfg, ctx)
+    except BaseException:
+        devices.abort_groups(meshes)
+        raise
+    devices.release_meshes(meshes)
+    return record
 
 
 def _train(cfg, ctx):
@@ -246,7 +251,7 @@ def _record(cfg, ctx, hook, task, progress, gathered, dataset_size, ckpt):
     flops = hook.flops_per_step(global_tokens)
     if flops is None:
         flops = sum(g["flops"][0] for g in gathered if g["flops"])
-    peak_tf = metrics.peak_tflops(ctx.device, AMP_DTYPES[cfg.precision.amp])
+    peak_tf = metrics.peak_tflops(ctx.device, AMP_DTYPES[cfg.precision.amp], fallback=_profile_peak(cfg))
     steps_per_epoch = dataset_size // cfg.optim.batch
     per_rank = list(zip(*[g["bytes"] for g in gathered]))
     train = TrainFacts(
@@ -269,6 +274,15 @@ def _record(cfg, ctx, hook, task, progress, gathered, dataset_size, ckpt):
         dtype=AMP_DTYPES[cfg.precision.amp], rehearsal=rehearsal.active(),
         global_batch=cfg.optim.batch, tokens_per_s=samples_per_s * task.tokens_per_sample,
         mfu=metrics.mfu(flops, step_time, ctx.world_size, peak_tf), train=train, **hook.record_facts())
+
+
+def _profile_peak(cfg) -> float:
+    """The profile's `peak_tflops` when the run computes in the profile's dtype (a GPU missing from
+    `metrics.PEAK_TFLOPS` still gets an MFU, issue 38 G8), else 0."""
+    from labkit.profiles import get_profile
+
+    prof = get_profile(cfg.run.profile)
+    return prof.peak_tflops if AMP_DTYPES[cfg.precision.amp] == prof.dtype else 0.0
 
 
 def _eval_summary(gathered, key: str = "eval") -> dict:

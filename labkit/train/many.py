@@ -121,20 +121,15 @@ def parse_job(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> None:
     """Per-rank entry of `run_many`: one process group for all runs."""
-    import torch.distributed as dist
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from labkit.train.worker import exit_now, join_group
+    from labkit.train.worker import exit_now, join_group, run_then_leave
 
     profile, fn = parse_job(argv)
 
     @record
     def run_all() -> None:
-        ctx = join_group(profile)
-        try:
-            fn(ctx)
-        finally:
-            dist.destroy_process_group()
+        run_then_leave(fn, join_group(profile))  # destroy after a success, abort after an error (G4)
 
     run_all()
     exit_now()

@@ -24,9 +24,12 @@ PEAK_TFLOPS = (
     ("H100 PCIe", {"bfloat16": 756.0, "float16": 756.0, "tf32": 378.0, "float32": 51.0}),
     ("H100 NVL", {"bfloat16": 835.0, "float16": 835.0, "tf32": 418.0, "float32": 60.0}),
     ("H100", {"bfloat16": 989.0, "float16": 989.0, "tf32": 494.7, "float32": 67.0}),
+    ("H200", {"bfloat16": 989.0, "float16": 989.0, "tf32": 494.7, "float32": 67.0}),  # H100's compute, more HBM
     ("A100", {"bfloat16": 312.0, "float16": 312.0, "tf32": 156.0, "float32": 19.5}),
     ("V100-PCIE", {"float16": 112.0, "float32": 14.0}),
     ("V100", {"float16": 125.0, "float32": 15.7}),
+    # Turing (Colab's and Kaggle's free GPU): fp16 tensor cores 65, no bf16 (docs/free-gpus.md)
+    ("T4", {"float16": 65.0, "float32": 8.1}),
 )
 
 

@@ -36,7 +36,8 @@ def join_group(profile: str) -> DistContext:
     prof = get_profile(profile)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device, group = devices.join_group(prof, rank, world, local_rank=local_rank, timeout_s=prof.timeout_s)
+    device, group = devices.join_group(prof, rank, world, local_rank=local_rank,
+                                        timeout_s=prof.collective_timeout_s)
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, group=group)
 
 
@@ -61,11 +62,20 @@ def main(argv: list[str] | None = None) -> None:
         serve(argv[1])  # never returns
     profile, fn = parse_job(argv)
     ctx = join_group(profile)
+    run_then_leave(fn, ctx)
+    exit_now()
+
+
+def run_then_leave(fn, ctx: DistContext) -> None:
+    """`fn(ctx)`, then destroy the process group, only after a success: after an error a peer may still
+    wait in a collective and destroy would wait with it (pytorch#141510); the groups are aborted instead
+    and the error goes to torchrun, which stops the other ranks (issue 38, G4)."""
     try:
         fn(ctx)
-    finally:
-        dist.destroy_process_group()
-    exit_now()
+    except BaseException:
+        devices.abort_groups()
+        raise
+    dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- warm ranks (labkit.rank_pool)

@@ -15,6 +15,7 @@ A process that spawns many times runs inside `warm_ranks()` (the grader's proces
 test of the solution and of each mutant), and so does a Jupyter kernel (a notebook's checks and comparisons):
 there ranks are forked from a forkserver that imported torch once, instead of each rank importing it again
 (seconds of CPU per rank); each spawn still gets pristine forked ranks.
+A GPU profile's ranks are never forked: see `_FORK_SAFE_ENV` (issue 38, G1).
 Unverified on hardware here: the NCCL ranks of a GPU profile (the rehearsal runs their code on gloo).
 Introduced in notebook 03_ddp.
 """
@@ -44,12 +45,21 @@ _ENTRY = "labkit.course.exercises._rank"
 _PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "cloudpickle", _ENTRY)
 
 
+#: A GPU profile's ranks start as fresh interpreters, never as forks of the forkserver: its preloads may
+#: have initialised CUDA (04's checks preload transformers' Llama, which imports torchao, whose float8
+#: utilities call torch.cuda.is_available()), and a rank forked from a process with CUDA initialised fails
+#: at its first CUDA call, `set_device` ("CUDA initialization error", pytorch#17357). This variable, set in
+#: the forkserver and every rank, makes is_available() ask NVML instead of initialising CUDA (torch's
+#: documented fork-safe check), so the forkserver stays fork-safe for the CPU ranks. Unverified on hardware.
+_FORK_SAFE_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+
+
 def _child_env(rank: int, world: int, port: int) -> dict[str, str]:
     env = dict(os.environ)
     paths = [p for p in [os.getcwd(), *sys.path] if p]
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)))
+               PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)), **_FORK_SAFE_ENV)
     return env
 
 
@@ -143,15 +153,17 @@ def _start_forkserver(ctx, imports: tuple[str, ...] = ()) -> None:
         _stop_forkserver(forkserver)
         ctx.set_forkserver_preload(preload + missing)
 
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = _child_env(0, 1, 0)["PYTHONPATH"]
+    own = {"PYTHONPATH": _child_env(0, 1, 0)["PYTHONPATH"], **_FORK_SAFE_ENV}
+    before = {k: os.environ.get(k) for k in own}
+    os.environ.update(own)
     try:
         forkserver.ensure_running()
     finally:
-        if before is None:
-            os.environ.pop("PYTHONPATH")
-        else:
-            os.environ["PYTHONPATH"] = before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
 
 
 class _Forked:
@@ -210,10 +222,10 @@ def _forked_rank(work: str, rank: int, env: dict[str, str], cwd: str) -> None:
     os._exit(code)
 
 
-def _start(work: Path, rank: int, world: int, port: int, imports: tuple[str, ...] = ()):
-    """One rank: forked from the forkserver inside `warm_ranks()` or in a Jupyter kernel, else a fresh
-    interpreter."""
-    ctx = _WARM or (_kernel_warm() if _in_kernel() else None)
+def _start(work: Path, rank: int, world: int, port: int, imports: tuple[str, ...] = (), *, fork: bool = True):
+    """One rank: forked from the forkserver inside `warm_ranks()` or in a Jupyter kernel (unless not `fork`:
+    a GPU profile's rank, `_FORK_SAFE_ENV`), else a fresh interpreter."""
+    ctx = (_WARM or (_kernel_warm() if _in_kernel() else None)) if fork else None
     if ctx is not None:
         _start_forkserver(ctx, imports)
         return _Forked(ctx, work, rank, _child_env(rank, world, port))
@@ -252,6 +264,13 @@ def _rank_error(rank: int, work: Path, code: int | None) -> ExerciseError:
     how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
     return ExerciseError(f"rank {rank} {how} without a Python error" + (f"; its last output:\n{out}" if out else ""),
                          rank=rank, traceback=out)
+
+
+def _may_fork(profile: str) -> bool:
+    """May this profile's ranks fork from the forkserver? Only CPU ones (`_FORK_SAFE_ENV`)."""
+    from labkit.profiles import get_profile
+
+    return get_profile(profile).device != "cuda"
 
 
 def _check_gpus(profile: str, world: int) -> None:
@@ -322,6 +341,7 @@ def spawn(fn: Callable, world: int = 2, args: tuple = (), timeout: float = DEFAU
         raise ValueError(f"spawn timeout={timeout!r}; it must be > 0 seconds")
     if profile is not None:
         _check_gpus(profile, world)
+    fork = profile is None or _may_fork(profile)
     from labkit import rehearsal
     if rehearsal.active():
         return _rehearse(fn, world, tuple(args), profile)
@@ -336,7 +356,7 @@ def spawn(fn: Callable, world: int = 2, args: tuple = (), timeout: float = DEFAU
             procs = []
             try:
                 for rank in range(world):
-                    procs.append(_start(work, rank, world, port, tuple(imports)))
+                    procs.append(_start(work, rank, world, port, tuple(imports), fork=fork))
                 failed, timed_out = _wait(procs, timeout)
             finally:
                 _kill(procs)
