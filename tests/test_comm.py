@@ -122,3 +122,12 @@ def test_more_micro_batches_leave_the_fast_stage_waiting():
     assert comm.uneven_bubble([1.0, 2.0], 10_000)[0] == pytest.approx(0.5, abs=1e-3)
     with pytest.raises(ConfigError, match="one positive compute time per stage"):
         comm.uneven_bubble([1.0, 0.0], 4)
+
+
+def test_sequence_parallel_moves_the_same_bytes_as_tensor_parallel():
+    from labkit.parallel.comm import tp_layer_bytes
+
+    for t in (2, 4, 8):
+        sp, tp = tp_layer_bytes(1e6, t, sequence_parallel=True), tp_layer_bytes(1e6, t, sequence_parallel=False)
+        assert set(sp) == {"reduce_scatter", "all_gather"} and set(tp) == {"all_reduce"}
+        assert sum(sp.values()) == pytest.approx(sum(tp.values())) == pytest.approx(4 * (t - 1) / t * 1e6)
