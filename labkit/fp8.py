@@ -80,3 +80,57 @@ def allgather_bytes(params: int, world: int, dtype: str) -> float:
     if dtype not in size:
         raise choices_error("all-gather dtype", dtype, list(size))
     return comm.bytes_sent("all_gather", params * size[dtype], world)
+
+
+def fp8_linear_filter(module, fqn: str) -> bool:
+    """Which Linears torchao converts: both dims multiples of 16 (what the FP8 GEMM `torch._scaled_mm` needs)."""
+    return isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def compare_training(device, *, width: int = 64, depth: int = 2, steps: int = 3, batch: int = 64,
+                     lr: float = 1e-3, seed: int = 0) -> dict:
+    """Train the same MLP (`depth` blocks Linear(width, 4 width) -> GELU -> Linear(4 width, width), residual)
+    `steps` steps twice on the same batches towards a fixed random target: in high precision (fp32 on CPU,
+    bf16 autocast on a GPU) and with torchao's float8 linears (`convert_to_float8_training`: dynamic
+    tensorwise scaling, e4m3 forward, e5m2 gradients). Returns both loss curves and how many Linears run in FP8.
+
+    On CPU torch's `_scaled_mm` computes the FP8 GEMMs in software (numerics only, slowly: kept tiny); on an
+    H100 (notebook 08 on h100x1) the same code runs them on the FP8 tensor cores -- unverified on hardware
+    here, and torchao's speed-up needs torch.compile to fuse the casts (not done: this shows the numerics)."""
+    import contextlib
+
+    from torchao.float8 import convert_to_float8_training
+
+    from labkit import device as devices
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+        def forward(self, x):  # (batch, width)
+            return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+    g = torch.Generator().manual_seed(seed)
+    data = [torch.randn(batch, width, generator=g) for _ in range(steps)]
+    target = torch.randn(width, width, generator=g) / width ** 0.5
+    out = {}
+    for name in ("high precision", "fp8"):
+        torch.manual_seed(seed)
+        net = devices.place(torch.nn.Sequential(*(Block() for _ in range(depth))), device)
+        if name == "fp8":
+            convert_to_float8_training(net, module_filter_fn=fp8_linear_filter)
+        out[f"{name} linears"] = sum(type(m).__name__ == ("Float8Linear" if name == "fp8" else "Linear")
+                                     for m in net.modules())
+        opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
+        losses = []
+        for x in data:
+            x = x.to(device)
+            with devices.autocast(device, torch.bfloat16) if devices.is_gpu(device) else contextlib.nullcontext():
+                loss = (net(x).float() - x @ target.to(device)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        out[name] = losses
+    return out
