@@ -3,9 +3,10 @@
 `labkit.parallel.context` trains with the ring over a CONTIGUOUS split. Production systems vary both:
 
 - the SPLIT. Contiguous: rank r holds tokens [r T/n, (r+1) T/n), so under the causal mask rank n-1 attends
-  to n blocks and rank 0 to one (its queries see no later keys). ZIG-ZAG (Brandon et al. 2023 "Striped /
-  load-balanced ring attention"; torchtitan's and Llama 3's load balancing): the sequence is cut into 2n
-  chunks and rank r takes chunks r and 2n-1-r, one from each end: every rank gets the same causal work.
+  to n blocks and rank 0 to one (its queries see no later keys). ZIG-ZAG (Llama 3, Dubey et al. 2024,
+  Sec. 3.3.2; torchtitan's load balancer; Striped Attention, Brandon et al. 2023, strides tokens instead):
+  the sequence is cut into 2n chunks and rank r takes chunks r and 2n-1-r, one from each end: every rank
+  gets the same causal work.
 - the COMMUNICATION. Ring (Liu et al. 2023): K/V blocks pass around the ring n-1 times, overlapped with
   block attention. All-gather-KV (Llama 3, Dubey et al. 2024, Sec. 3.3.2): one all-gather of every rank's
   K/V, then local attention of this rank's queries over all keys -- simpler, exposed, and cheap with GQA
