@@ -112,3 +112,16 @@ def test_sequence_parallel_equals_one_device_with_reduce_scatters_and_less_saved
     assert "reduce_scatter" not in sp["tp"]["forward"]
     assert sp["tp+sp"]["forward"]["reduce_scatter"] == sp["tp+sp"]["forward"]["all_gather"] > 0
     assert sp["tp+sp"]["saved_bytes"] < sp["tp"]["saved_bytes"] < sp["single"]["saved_bytes"]
+
+
+def test_load_bars_draws_one_bar_per_rank_and_series():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from labkit.parallel.context_variants import SPLITS, causal_pairs
+    from labkit.viz.balance import load_bars
+
+    fig = load_bars({s: causal_pairs(64, 4, s) for s in SPLITS}, ylabel="pairs")
+    ax = fig.axes[0]
+    assert len(ax.patches) == 8 and [t.get_text() for t in ax.get_xticklabels()] == [f"rank {r}" for r in range(4)]
+    assert sorted(p.get_height() for p in ax.patches[:4]) == sorted(causal_pairs(64, 4, "contiguous"))
