@@ -8,9 +8,10 @@ wider range) for gradients. Their range is tiny next to bf16's (~1e38), so a ten
 gradients of 1e-5 all vanish -- and values above the max saturate.
 
 Where the amax comes from:
-- Transformer Engine (NVIDIA) uses DELAYED scaling by default: the scale of step t comes from the amax
-  history of earlier steps (a window of 1024 steps, max), so the cast needs no extra pass over the tensor;
-  a spike beyond the history saturates for a step.
+- Transformer Engine (NVIDIA): its classic recipe, DelayedScaling (the default on Hopper), takes the scale of
+  step t from the amax history of earlier steps (1024 steps, max), so the cast needs no extra pass over the
+  tensor; a spike beyond the history saturates for a step. TE also has current (per-tensor, this step)
+  scaling, and on Blackwell MXFP8 block scaling (one power-of-two scale per 32 values).
 - torchao's float8 training (`convert_to_float8_training`, what torchtitan uses) uses DYNAMIC (current)
   scaling: the amax of this very tensor (one extra read), "tensorwise" (one scale per tensor) or
   "rowwise" (one per row: more accurate with outliers, slower GEMMs).

@@ -26,7 +26,8 @@ import torch
 
 
 def _saved_bytes():
-    """A saved-tensors hook pair counting the LOCAL bytes autograd keeps for backward (parameters excluded)."""
+    """A saved-tensors hook pair counting the LOCAL bytes autograd keeps for backward: parameters themselves
+    excluded, but views of them (a transposed weight) counted, so it is an upper bound on the activations."""
     box = {"bytes": 0}
 
     def pack(t):
