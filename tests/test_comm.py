@@ -157,3 +157,12 @@ def test_the_planner_charges_the_same_passes(zero):
                                gpus_per_node=8, inter_node_gbps=200).bytes
     for m in (1, 8):
         assert sent(zero, m) / sent(0, m) == pytest.approx(comm.dp_traffic_vs_ddp(zero, m))
+
+
+def test_sequence_parallel_moves_the_same_bytes_as_tensor_parallel():
+    from labkit.parallel.comm import tp_layer_bytes
+
+    for t in (2, 4, 8):
+        sp, tp = tp_layer_bytes(1e6, t, sequence_parallel=True), tp_layer_bytes(1e6, t, sequence_parallel=False)
+        assert set(sp) == {"reduce_scatter", "all_gather"} and set(tp) == {"all_reduce"}
+        assert sum(sp.values()) == pytest.approx(sum(tp.values())) == pytest.approx(4 * (t - 1) / t * 1e6)

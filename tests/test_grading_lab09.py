@@ -50,7 +50,8 @@ def _right() -> dict:
             "09.bubble_interleaved_p4_m8": L.bubble_interleaved(None), "09.hang_rank": 0,
             "09.hang_function": "log_loss()", "09.days_175b_1024_mfu045": L.days_175b(None),
             "09.cheapest_175b_layout": best.layout, "09.cheapest_175b_cost": best.budget.cost,
-            "09.ring_merge": _merged(merge_attention)}
+            "09.ring_merge": _merged(merge_attention), "09.imbalance_contiguous_cp4": L.imbalance_contiguous(None),
+            "09.imbalance_zigzag_cp4": 1.0, "09.expert_capacity_4096_e8_k2_cf125": 1280}
 
 
 def _answer_points(grade) -> dict[str, float]:
@@ -67,7 +68,9 @@ def test_right_answers_earn_every_answer_point_and_wrong_ones_none():
     wrong.update({"09.bubble_interleaved_p4_m8": 3 / 11, "09.hang_rank": 1, "09.hang_function": "barrier",
                   "09.days_175b_1024_mfu045": L.days_175b(None) * 0.45, "09.cheapest_175b_cost": 1.0,
                   "09.cheapest_175b_layout": {"gpus": 64, "dp": 8, "tp": 8, "pp": 1, "zero": 0},
-                  "09.ring_merge": _merged(lambda oa, la, ob, lb: ((oa + ob) / 2, (la + lb) / 2))})
+                  "09.ring_merge": _merged(lambda oa, la, ob, lb: ((oa + ob) / 2, (la + lb) / 2)),
+                  "09.imbalance_contiguous_cp4": 4 / 2.5, "09.imbalance_zigzag_cp4": 1.75,
+                  "09.expert_capacity_4096_e8_k2_cf125": 1024})  # 4/2.5: rank 3's blocks over the mean, no diagonal halving
     assert sum(_answer_points(grade_notebook(_notebook(wrong), NOTEBOOK, checks)).values()) == 0
 
 

@@ -84,8 +84,17 @@ def _train(variant: str) -> dict:
 
 
 def _results(out_dir: str) -> dict:
-    """One rank's share of the module fixture (runs inside the 2-rank group)."""
-    return {v: _train(v) for v in VARIANTS}
+    """One rank's share of the module fixture (runs inside the 2-rank group); also notebook 07's
+    sequence-parallel comparison (labkit.parallel.sequence), in the same job."""
+    from labkit.parallel import sequence
+
+    return {**{v: _train(v) for v in VARIANTS}, "sp_compare": sequence.compare_rank(dist_rank(), 2)}
+
+
+def dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +181,14 @@ def test_tensor_fsdp_through_the_training_loop(tmp_path, warm_ranks):
     assert max(record.param_bytes) / single.param_bytes[0] == pytest.approx(0.5, abs=0.005)
     assert record.tensor.collectives_first_step["all_reduce"] == 19
     assert record.train.eval_loss == pytest.approx(single.train.eval_loss, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_equals_one_device_with_reduce_scatters_and_less_saved(two_ranks):
+    """labkit.parallel.sequence.compare_rank (notebook 07): DTensor's SP plan and plain TP beside one device."""
+    sp = two_ranks[0][0]["sp_compare"]
+    for v in ("tp", "tp+sp"):
+        assert sp[v]["loss_diff"] < 1e-5 and sp[v]["grad_diff"] < 1e-5
+    assert "reduce_scatter" not in sp["tp"]["forward"]
+    assert sp["tp+sp"]["forward"]["reduce_scatter"] == sp["tp+sp"]["forward"]["all_gather"] > 0
+    assert sp["tp+sp"]["saved_bytes"] < sp["tp"]["saved_bytes"] < sp["single"]["saved_bytes"]

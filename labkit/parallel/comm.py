@@ -286,3 +286,16 @@ def max_in_flight(events: Sequence[dict]) -> list[int]:
             peak = max(peak, held)
         out.append(peak)
     return out
+
+
+# ----------------------------------------------------------------------------- tensor / sequence parallelism
+def tp_layer_bytes(activation_bytes: float, tp: int, *, sequence_parallel: bool) -> dict[str, float]:
+    """Bytes each rank sends in one transformer layer's FORWARD under Megatron TP, by collective: two
+    all-reduces of the (B, T, H) activation (after o_proj and down_proj), or with sequence parallelism two
+    reduce-scatters + two all-gathers of it (Korthikanti et al. 2022, Sec. 4.2.2). An all-reduce is a
+    reduce-scatter then an all-gather, so the totals are equal: 4 (t-1)/t S either way. The backward
+    mirrors the forward (`labkit.parallel.sequence`, notebook 07_model_parallel)."""
+    if sequence_parallel:
+        return {"reduce_scatter": 2 * bytes_sent("reduce_scatter", activation_bytes, tp),
+                "all_gather": 2 * bytes_sent("all_gather", activation_bytes, tp)}
+    return {"all_reduce": 2 * bytes_sent("all_reduce", activation_bytes, tp)}

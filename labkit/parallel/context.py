@@ -16,8 +16,8 @@ the block computations on a GPU (not here: this ring is blocking and readable).
 
 Causal mask across blocks with a CONTIGUOUS split: queries of rank r see all keys of ranks < r, the
 causal triangle of their own block, and nothing of ranks > r. So rank n-1 does n blocks of work and
-rank 0 one: the load is unbalanced (the zig-zag split of Brandon et al. 2023 / torchtitan gives
-each rank a chunk from both ends; not done here). Rotary embeddings must see GLOBAL positions, so the
+rank 0 one: the load is unbalanced (the zig-zag split of Llama 3 / torchtitan gives each rank a
+chunk from both ends; not in this trained ring: `labkit.parallel.context_variants` runs it, forward only). Rotary embeddings must see GLOBAL positions, so the
 model gets `position_ids = r T/n + arange(T/n)`.
 
 Backward: the ring pass is an autograd function whose backward passes the gradient the other way,

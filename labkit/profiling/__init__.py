@@ -1,1 +1,1 @@
-"""Profiling and debugging: the profiler, reading traces, the OOM playbook, collective benchmarks, hangs."""
+"""Profiling and debugging: the profiler, reading traces, the roofline, the OOM playbook, collective benchmarks, hangs."""

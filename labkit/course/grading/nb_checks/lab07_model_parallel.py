@@ -121,4 +121,8 @@ CHECKS = (
              reads=(("answer", "07.layout_175b_64xa100"),)),
     relation("7.4b the planner's numbers behind your justification", 2, _layout_numbers,
              reads=(("answer", "07.layout_175b_numbers"),)),
+    answer_close("7.5a bytes with sequence parallelism over bytes without (t = 4)", 1, "07.sp_bytes_ratio", 1.0,
+                 rtol=0.01),
+    answer_equals("7.5b reduce-scatters per layer forward with sequence parallelism", 1,
+                  "07.sp_reduce_scatters_per_layer", 2),
 )

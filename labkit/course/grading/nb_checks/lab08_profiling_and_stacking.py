@@ -19,6 +19,21 @@ def nf4_rank0(ev: Evidence) -> float:
     return x.packed_4bit_rank_bytes / x.packed_4bit_full_bytes
 
 
+def ridge_h100(ev: Evidence) -> float:
+    from labkit.profiling.roofline import ridge
+
+    return ridge("h100-sxm")
+
+
+def hfu_over_mfu_full(ev: Evidence) -> float:
+    """The notebook's example step: ~4/3 (the forward again; the LM head is not recomputed)."""
+    from labkit.profiling.roofline import mfu_hfu
+
+    mfu, hfu = mfu_hfu("llama2-7b", tokens=8 * 4096, seq=4096, step_s=3.0, gpus=8, peak_tflops=312.0,
+                       checkpointing="full")
+    return hfu / mfu
+
+
 def _adapters_only(ev: Evidence):
     r = ev.run("fsdp_qlora")
     total = (r.peft.total_params if r.peft else None) or 0
@@ -35,4 +50,8 @@ CHECKS = (
     answer_equals("8.1 all-gathers per FSDP unit per step", 2, "08.allgathers_per_unit_per_step", 2),
     answer_close("8.2a NF4 bytes on rank 0, as a fraction", 1, "08.nf4_fraction_rank0", nf4_rank0, rtol=0.02),
     answer_close("8.2b the same on 4 GPUs", 1, "08.nf4_fraction_4gpus", 0.25, rtol=0.02, visible=False),
+    answer_close("8.3a the ridge point of an H100 SXM (bf16)", 1, "08.ridge_h100", ridge_h100, rtol=0.02),
+    answer_close("8.3b HFU / MFU with full checkpointing", 1, "08.hfu_over_mfu_full", hfu_over_mfu_full, rtol=0.02),
+    answer_close("8.4 FP8 all-gather bytes as a fraction of bf16's", 1, "08.fp8_allgather_fraction", 0.5,
+                 rtol=0.01),
 )

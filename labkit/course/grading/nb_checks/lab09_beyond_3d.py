@@ -35,6 +35,12 @@ def bubble_interleaved(ev: Evidence) -> float:
     return interleaved_bubble(4, 8)
 
 
+def imbalance_contiguous(ev: Evidence) -> float:
+    from labkit.parallel.context_variants import causal_pairs, imbalance
+
+    return imbalance(causal_pairs(4096, 4, "contiguous"))
+
+
 def days_175b(ev: Evidence) -> float:
     from labkit.parallel.budget import days_at_mfu
     from labkit.memory.params import model_spec
@@ -132,4 +138,8 @@ CHECKS = (
              reads=(("answer", "09.cheapest_175b_layout"),)),
     relation("9.6 the ring-attention merge step", 2, _ring_merge, reads=(("answer", "09.ring_merge"),)),
     answer_close("9.5b its cost", 1, "09.cheapest_175b_cost", cheapest_cost, rtol=0.02, visible=False),
+    answer_close("9.7a causal-mask imbalance of the contiguous split, cp = 4", 1, "09.imbalance_contiguous_cp4",
+                 imbalance_contiguous, rtol=0.01),
+    answer_close("9.7b the same with the zig-zag split", 1, "09.imbalance_zigzag_cp4", 1.0, rtol=0.01),
+    answer_equals("9.8 slots per expert at capacity factor 1.25", 1, "09.expert_capacity_4096_e8_k2_cf125", 1280),
 )
