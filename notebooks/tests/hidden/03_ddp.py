@@ -2,7 +2,7 @@
 
 Expected values are computed here, in the grader's process (`reference`): the mean or the sum of what each
 rank's data gives, never where the student's code runs."""
-from labkit.course.exercises import Tensor, case, reference
+from labkit.course.exercises import Tensor, case, close, reference
 
 #: What the hidden tests vary, per exercise: `ex.check` and `labkit check` show this line, nothing else.
 VARIES = {
@@ -77,9 +77,7 @@ def _mean_grads(ranks):
 
 
 def _same(got: dict, want: dict) -> bool:
-    import torch
-
-    return set(got) == set(want) and all(torch.allclose(got[k], want[k], rtol=1e-5, atol=1e-6) for k in want)
+    return close(got, want, rtol=1e-5, atol=1e-6)  # keys, shapes and dtypes first: no broadcasting
 
 
 GRADS = {str: Tensor("float32")}
@@ -179,8 +177,8 @@ def float64_a_group_a_short_tensor_and_the_bytes_sent(student):
                                                          "small": Tensor("float64", (4,)),
                                                          "pair": Tensor("float64", (5,))})
     for rank, got in enumerate(out):
-        assert torch.allclose(got["big"], reference(_sums, [0, 1, 2], 3000), atol=1e-12), f"rank {rank}: 3000"
-        assert torch.allclose(got["small"], reference(_sums, [0, 1, 2], 4), atol=1e-12), f"rank {rank}: 4"
+        assert close(got["big"], reference(_sums, [0, 1, 2], 3000), atol=1e-12), f"rank {rank}: 3000"
+        assert close(got["small"], reference(_sums, [0, 1, 2], 4), atol=1e-12), f"rank {rank}: 4"
         assert got["sent"] == 2 * 2 * 1000 * 8, f"rank {rank} sent {got['sent']} B, 2 (N-1)/N x 24000 = 32000"
         if rank > 0:
-            assert torch.allclose(got["pair"], reference(_sums, [1, 2], 5), atol=1e-12), f"rank {rank}: group [1, 2]"
+            assert close(got["pair"], reference(_sums, [1, 2], 5), atol=1e-12), f"rank {rank}: group [1, 2]"

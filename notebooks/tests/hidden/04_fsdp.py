@@ -71,14 +71,12 @@ def _fsdp_harness(rank, world, shard_model):
 
 @case("shard_model", points=2)
 def three_ranks_three_blocks(student):
-    import torch
-
     want = reference(_grads, 3)
     for rank, out in enumerate(student.spawn(_fsdp_harness, world=3, timeout=180, imports=visible.LLAMA,
-                                             returns={"grads": {str: Tensor("float32")}, "units": [bool]})):
+                                             returns={"grads": {str: Tensor("float32")}, "units": List(bool, 4)})):
         assert out["units"] == [True] * 4, (rank, out["units"])
         assert set(out["grads"]) == set(want), rank
-        assert all(torch.allclose(out["grads"][k], want[k], rtol=1e-4, atol=1e-6) for k in want), rank
+        assert close(out["grads"], want, rtol=1e-4, atol=1e-6), rank
 
 
 def _net():
@@ -136,9 +134,7 @@ def _zero1_harness(rank, world, zero1_step, steps, weight_decay):
 
 @case("zero1_step", points=2)
 def a_group_of_2_of_3_ranks_over_5_steps(student):
-    import torch
-
     want = reference(_adamw, [[0, 1], [2]], 5, 0.3)
     got = student.spawn(_zero1_harness, world=3, args=(5, 0.3), returns=Tensor("float32", (113,)))
-    for rank, (mine, ref) in enumerate(zip(got, want)):
-        assert torch.allclose(mine, ref, atol=1e-5), (rank, float((mine - ref).abs().max()))
+    for rank, (mine, ref) in enumerate(pairs(got, want, "the ranks' weights")):
+        assert close(mine, ref, atol=1e-5), (rank, max_error(mine, ref))

@@ -2,7 +2,7 @@
 VARIES). They reuse the visible file's harnesses and checks with other inputs; the references (the
 single-device model, labkit's bubble formula and schedule replay) are computed here, never where the
 student's code runs."""
-from labkit.course.exercises import ANY, Tensor, case, reference
+from labkit.course.exercises import ANY, Either, Tensor, case, pairs, reference
 from labkit.course.exercises.cases import visible_twin
 
 visible = visible_twin(__labkit_test_file__)  # noqa: F821 - set by the test loader
@@ -11,7 +11,7 @@ visible = visible_twin(__labkit_test_file__)  # noqa: F821 - set by the test loa
 VARIES = {
     "column_parallel": "2 ranks, no bias, 2-D inputs and other widths",
     "row_parallel": "2 ranks, no bias, other widths",
-    "gpipe_step": "2 stages, other micro-batch counts, a classification loss",
+    "gpipe_step": "2 stages, other micro-batch counts, a classification loss, a sub-group of the ranks",
     "bubble_fraction": "larger pipelines and micro-batch counts, and a schedule replayed slot by slot",
 }
 
@@ -42,6 +42,8 @@ MUTANTS = {
          "dist.send(torch.zeros_like(x.grad), dst=peer(rank - 1), group=group)", "sends x.grad of each micro-batch"),
         ("            x.requires_grad_()", "            pass", "x.requires_grad_()"),
         ("return total if last else None", "return total", "only the last stage returns the loss"),
+        # `group` ignored: rank r of the group is taken for global rank r (issue #39: a test on ranks [1, 2])
+        ("peer = lambda r: dist.get_global_rank(group, r) if group is not None else r", "peer = lambda r: r"),
     ],
     "bubble_fraction": [
         ("total = 2 * (microbatches + stages - 1)", "total = 2 * (microbatches + stages)", "m + p - 1 slots"),
@@ -107,7 +109,38 @@ def two_stages_three_micro_batches_cross_entropy(student):
     assert got[0]["loss"] is None and abs(got[1]["loss"] - want["loss"]) < 1e-5, (got[0]["loss"], got[1]["loss"])
     refs = [want["grads"][:2], want["grads"][2:]]
     for rank, mine in enumerate(got):
-        assert all(visible._same(g, r) for g, r in zip(mine["grads"], refs[rank])), f"stage {rank} gradients"
+        assert all(visible._same(g, r) for g, r in pairs(mine["grads"], refs[rank], f"stage {rank}'s gradients")), \
+            f"stage {rank} gradients"
+
+
+def _gpipe_group_yours(rank, world, gpipe_step, seed, microbatches, batch):
+    """HARNESS (student's ranks): the 2 stages of `_gpipe_ce_yours` on the sub-group [1, 2] of 3 ranks; rank 0
+    is outside the group (it only takes part in creating it)."""
+    import torch
+    import torch.distributed as dist
+
+    group = dist.new_group([1, 2])  # every rank creates it, even one outside it
+    if rank == 0:
+        return {"loss": None, "grads": []}
+    model = visible._gpipe_model(seed)[2:]
+    x, t = _ce_data(seed, batch)
+    stage = model[:2] if rank == 1 else model[2:]
+    loss = gpipe_step(stage, x if rank == 1 else None, t if rank == 2 else None,
+                      torch.nn.functional.cross_entropy, microbatches, (batch // microbatches, 8), group=group)
+    return {"loss": loss, "grads": [visible._grad(p.grad) for p in stage.parameters()]}
+
+
+@case("gpipe_step", points=1)
+def two_stages_on_ranks_1_and_2_of_3(student):
+    args = (6, 2, 4)
+    got = student.spawn(_gpipe_group_yours, world=3, args=args, timeout=60,
+                        returns={"loss": float | None, "grads": [Either(Tensor("float32"), None)]})
+    want = reference(_gpipe_ce_single, *args)
+    assert got[1]["loss"] is None and abs(got[2]["loss"] - want["loss"]) < 1e-5, (got[1]["loss"], got[2]["loss"])
+    refs = {1: want["grads"][:2], 2: want["grads"][2:]}
+    for rank in (1, 2):
+        assert all(visible._same(g, r) for g, r in pairs(got[rank]["grads"], refs[rank], f"stage {rank}'s gradients")), \
+            f"stage {rank} gradients"
 
 
 def _replayed(p, m):
