@@ -5,7 +5,7 @@ gradients and weights after the step, the scaler's scale, what autograd saved); 
 computed here, in the grader's process, from one plain fp32 step on the whole batch. Gradients are checked
 after ONE SGD step, so a scale error shows. Every convention a test checks is in the exercise's docstring.
 """
-from labkit.course.exercises import ANY, Tensor, case, reference
+from labkit.course.exercises import ANY, Either, Float, Tensor, case, max_error, reference
 from labkit.course.exercises.expect import conform
 from labkit.course.exercises.student import StudentError
 
@@ -68,7 +68,9 @@ def _step_harness(amp_accum_step, accum, dtype_name, init_scale, lr, stale, inpu
             "forward_dtypes": seen}
 
 
-STEP = {"loss": float | None, "grads": {str: Tensor()}, "weights": {str: Tensor("float32")}, "scale": float,
+#: After an overflow the loss and the gradients hold inf (that is the test), so they may be non-finite here.
+STEP = {"loss": Either(Float(finite=False), None), "grads": {str: Tensor(finite=False)},
+        "weights": {str: Tensor("float32")}, "scale": float,
         "forward_dtypes": [str]}
 
 #: torch's GradScaler refuses a step taken the wrong way; what each refusal means in this exercise.
@@ -106,6 +108,10 @@ def _grad_problem(got: dict, want: dict, what: str, accum: int, rtol=1e-4, atol=
     """'' when the gradients match, else which quantity is off and the fix."""
     if set(got) != set(want):
         return f"{what}: no .grad on {sorted(set(want) - set(got))}: backward every micro-batch"
+    shaped = [k for k in want if tuple(got[k].shape) != tuple(want[k].shape)]
+    if shaped:  # before any arithmetic: a wrong shape is never broadcast
+        return (f"{what}: {shaped[0]}.grad has shape {tuple(got[shaped[0]].shape)}, expected "
+                f"{tuple(want[shaped[0]].shape)}: leave the parameters' shapes as they are")
     if all(_close(got[k], want[k], rtol, atol) for k in want):
         return ""
     ratio = _ratio(got, want)
@@ -114,8 +120,8 @@ def _grad_problem(got: dict, want: dict, what: str, accum: int, rtol=1e-4, atol=
                         (2.0 ** -12, "backward through scaler.scale(loss), so scaler.step's unscaling undoes it")):
         if abs(ratio / factor - 1) < 0.02:
             return f"{what}: your gradients are {ratio:.4g}x the whole batch's: {fix}"
-    name = max(want, key=lambda k: float((got[k].float() - want[k]).abs().max()))
-    err = float((got[name].float() - want[name]).abs().max())
+    name = max(want, key=lambda k: max_error(got[k].float(), want[k]))
+    err = max_error(got[name].float(), want[name])
     return f"{what}: {name}.grad differs from the whole batch's by up to {err:.2e} (ratio of norms {ratio:.3f})"
 
 
@@ -150,7 +156,7 @@ def _weights_problem(got: dict, ref, lr, what, atol) -> str:
     want = {k: start[k] - lr * ref["grads"][k] for k in start}
     if all(_close(got[k], want[k], 1e-4, atol) for k in want):
         return ""
-    err = max(float((got[k] - want[k]).abs().max()) for k in want)
+    err = max(max_error(got.get(k), want[k]) for k in want)
     return f"{what}: after the step the weights differ from one SGD step (lr {lr}) on the whole batch by {err:.2e}: " \
            "take exactly one optimizer step, after the last micro-batch"
 

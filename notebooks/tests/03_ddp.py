@@ -6,7 +6,7 @@ computed here, in the grader's process: DDP's gradient is the mean of the ranks'
 and divides by the world size), all_reduce's result the sum of the ranks' tensors. One spawn per exercise
 serves all its tests (`share=True`). Every convention a test checks is in the exercise's docstring.
 """
-from labkit.course.exercises import ANY, Tensor, case, reference
+from labkit.course.exercises import ANY, Tensor, case, max_error, reference
 from labkit.course.exercises.expect import conform
 
 WORLD = 3
@@ -88,8 +88,8 @@ def _first_difference(got: dict, want: dict) -> str:
     missing = [k for k in want if k not in got]
     if missing:
         return f"{missing[0]}.grad is None: every trainable parameter needs its averaged gradient"
-    name = max(want, key=lambda k: float((got[k] - want[k]).abs().max()))
-    err = float((got[name] - want[name]).abs().max())
+    name = max(want, key=lambda k: max_error(got[k], want[k]))
+    err = max_error(got[name], want[name])
     return f"{name}.grad differs from DDP's by up to {err:.2e} (ratio of norms {_ratio(got, want):.3f})"
 
 
