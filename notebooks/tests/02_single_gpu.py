@@ -151,6 +151,8 @@ def _forward_problem(out, accum, dtype_name, what) -> str:
 
 def _weights_problem(got: dict, ref, lr, what, atol) -> str:
     start = ref["start"]
+    if set(got) != set(start):
+        return f"{what}: the model's parameters changed names: {sorted(set(start) ^ set(got))[:3]}: keep the model as given"
     if all(_close(got[k], start[k], 0, 0) for k in start):
         return f"{what}: the weights did not change: step the optimizer, through scaler.step(optimizer)"
     want = {k: start[k] - lr * ref["grads"][k] for k in start}
@@ -306,6 +308,12 @@ def an_input_without_grad_still_gives_weight_gradients(student):
 def keeps_only_its_input_for_backward(student):
     ref = reference(_plain, True)
     out = student.run(_checkpoint_harness, True, returns=CHECKPOINTED)
+    # the memory point is for a checkpoint that works: an output that is block(x) and that backward reaches
+    problem = "" if out["requires_grad"] else "your output does not require grad: backward cannot reach the block"
+    problem = problem or _gradients_problem(out, ref, "x with requires_grad=True")
+    assert not problem, f"{problem} (saving memory counts only for a block that still trains)"
+    assert out["kept"] > 0, ("autograd saved 0 B for backward: checkpoint keeps the block's input x for the "
+                             "recomputation (torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False))")
     assert out["kept"] <= ref["x_bytes"], (
         f"autograd saved {out['kept']:,} B for backward, the plain block {ref['kept']:,} B: wrap the call in "
         f"torch.utils.checkpoint.checkpoint so backward recomputes the block; it keeps only its input "

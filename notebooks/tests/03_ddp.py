@@ -6,7 +6,7 @@ computed here, in the grader's process: DDP's gradient is the mean of the ranks'
 and divides by the world size), all_reduce's result the sum of the ranks' tensors. One spawn per exercise
 serves all its tests (`share=True`). Every convention a test checks is in the exercise's docstring.
 """
-from labkit.course.exercises import ANY, Tensor, case, max_error, reference
+from labkit.course.exercises import ANY, List, Tensor, case, max_error, reference
 from labkit.course.exercises.expect import conform
 
 WORLD = 3
@@ -226,7 +226,7 @@ def _overlap_harness(rank, world, overlap_gradient_averaging, bucket_bytes, lr, 
 
 def _overlapped(student):
     return student.spawn(_overlap_harness, world=WORLD, args=(BUCKET_BYTES, LR, 2), share=True,
-                         returns=[{"grads": GRADS, "during_backward": int, "error": str}])
+                         returns=List({"grads": GRADS, "during_backward": int, "error": str}, min=1))
 
 
 def _overlap_problem(rank, got: dict, step_ref: dict) -> str:
@@ -249,6 +249,7 @@ def gradients_equal_ddps_on_3_ranks_with_small_buckets(student):
         assert not steps[0]["error"], f"rank {rank} of {WORLD}, first backward and finish(): {steps[0]['error']}"
         problem = _overlap_problem(rank, steps[0]["grads"], ref[0])
         assert not problem, f"first backward ({BUCKET_BYTES} B buckets): {problem}"
+        assert len(steps) == 2, f"rank {rank} of {WORLD}: {len(steps)} steps came back from the harness, expected 2"
         assert not steps[1]["error"], (f"rank {rank} of {WORLD}, second backward and finish() (the first was right): "
                                        f"{steps[1]['error']}: finish() must leave the hooks ready for the next "
                                        "backward (an empty bucket, no all-reduce pending)")

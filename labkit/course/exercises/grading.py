@@ -97,7 +97,7 @@ def plan_for(notebook: str, visible_dir: Path | None, hidden_dir: Path | None = 
 
 def run_variants(exercise: str, sources: list[str], plan: Plan, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  memory_bytes: int = 8 * 2**30, output_bytes: int = 50 * 2**20, isolation=None, private: tuple = (),
-                 kernel: str = "labkit") -> list[VariantResult]:
+                 kernel: str = "labkit", cache: dict | None = None) -> list[VariantResult]:
     """Every case of `exercise` on each source variant (the submitted cell; in CI the solution and its mutants),
     judged in this process (labkit.course.exercises.judge): hidden tests' messages included (the grader's own
     data; what feedback shows of them is _check_results' business)."""
@@ -106,7 +106,7 @@ def run_variants(exercise: str, sources: list[str], plan: Plan, *, timeout_s: fl
     # an answer is output too: --output-mib caps it (refused before it is read)
     return judge(exercise, sources, plan.cases(exercise), max_message=min(wire.MAX_BYTES, output_bytes),
                  timeout_s=timeout_s, memory_bytes=memory_bytes, output_bytes=output_bytes, isolation=isolation,
-                 private=private, kernel=kernel)
+                 private=private, kernel=kernel, cache=cache)
 
 
 def _check_results(exercise: str, variant: VariantResult, reveal_hidden: bool) -> tuple[str, str, tuple]:

@@ -2,7 +2,7 @@
 
 Expected values are computed here, in the grader's process (`reference`): the mean or the sum of what each
 rank's data gives, never where the student's code runs."""
-from labkit.course.exercises import Tensor, case, close, reference
+from labkit.course.exercises import List, Tensor, case, close, reference
 
 #: What the hidden tests vary, per exercise: `ex.check` and `labkit check` show this line, nothing else.
 VARIES = {
@@ -127,7 +127,7 @@ def _overlap_harness(rank, world, overlap_gradient_averaging):
 
 @case("overlap_gradient_averaging", points=2)
 def a_subgroup_one_byte_and_one_gib_buckets(student):
-    runs = student.spawn(_overlap_harness, world=3, returns=[{"grads": GRADS, "during": int, "total": int}])
+    runs = student.spawn(_overlap_harness, world=3, returns=List({"grads": GRADS, "during": int, "total": int}, 2))
     for rank, (small, big) in enumerate(runs):
         members = [0, 1] if rank < 2 else [2]
         assert _same(small["grads"], reference(_mean_grads, members)), f"rank {rank}: subgroup gradients"
