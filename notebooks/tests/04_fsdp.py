@@ -220,8 +220,8 @@ def _zero1_harness(rank, world, zero1_step, steps, lr, weight_decay):
 
 #: Every step's weights (exactly STEPS of them); the first moment is None when `state` holds no single AdamW,
 #: and then only the weights decide (a hint, never a skipped check).
-ZERO1 = {"weights": List(Tensor("float32", (227,)), STEPS), "first_slice_grad": Either(Tensor("float32", (None,)), None),
-         "state_bytes": int}
+ZERO1 = {"weights": List(Tensor("float32", (227,)), STEPS),
+         "first_slice_grad": Either(Tensor("float32", (None,)), None), "state_bytes": int}
 
 
 def _zero1(student):

@@ -24,9 +24,9 @@ from labkit.course.exercises.spawn import spawn
 from labkit.course.exercises.student import Student, StudentError, reference, trusted_spawn
 from labkit.course.exercises.verdicts import run_cases
 
-__all__ = ["ANY", "Case", "CaseResult", "Either", "ExerciseError", "Float", "List", "Mutant", "Student", "StudentError",
-           "Tensor", "attempt", "case", "check", "close", "find_cases", "like", "load_cases", "load_mutants", "max_error",
-           "pairs", "reference", "run_cases", "spawn", "trusted_spawn"]
+__all__ = ["ANY", "Case", "CaseResult", "Either", "ExerciseError", "Float", "List", "Mutant", "Student",
+           "StudentError", "Tensor", "attempt", "case", "check", "close", "find_cases", "like", "load_cases",
+           "load_mutants", "max_error", "pairs", "reference", "run_cases", "spawn", "trusted_spawn"]
 
 
 def find_cases(exercise: str, tests: str | Path | None = None) -> list[Case]:

@@ -69,7 +69,8 @@ class List:
         self.item, self.length, self.min = item, length, min
 
     def __repr__(self) -> str:
-        return f"List({self.item!r}, {self.length})" if self.length is not None else f"List({self.item!r}, min={self.min})"
+        count = self.length if self.length is not None else f"min={self.min}"
+        return f"List({self.item!r}, {count})"
 
 
 class Float:
