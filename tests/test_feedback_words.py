@@ -1,0 +1,53 @@
+"""Feedback that names the mistake (issue #39): a numeric answer off by a known factor says which, an
+unanswered question is TODO (not FAIL), 7.4b has its own message, a multi-rank failure names the first
+rank's own exception. No kernel, no rank: sealed payloads built as in tests/test_grading_questions.py."""
+from __future__ import annotations
+
+import pytest
+from test_grading_questions import _answer, _check, _evidence
+
+from labkit.cli.check import CheckReport, format_report
+from labkit.course.grading.checks import answer_close, answer_equals
+from labkit.course.grading.factors import factor_hint
+
+
+@pytest.mark.parametrize("got, want, says", [
+    (2.04e8, 2.72e8, "(N-1)/N = 3/4 of the right value (N = 4)"),
+    (3.0, 2.0, "N/(N-1) = 3/2"),
+    (8.0, 2.0, "4 times the right value: a factor 4: bytes per fp32 element"),
+    (1.0, 2.0, "half the right value: a factor 2"),
+    (2**30, 1e9, "GB and GiB mixed"),
+    (3.0, 1.0, "N = 3 times the right value: divide by the number of ranks once"),
+    (0.125, 1.0, "an eighth of the right value"),
+])
+def test_a_numeric_answer_off_by_a_known_factor_says_which(got, want, says):
+    assert says in factor_hint(got, want)
+
+
+def test_an_answer_off_by_no_known_factor_gets_no_guess():
+    assert factor_hint(1.37, 1.0) == factor_hint(1.0, 0.0) == factor_hint(0.0, 1.0) == ""
+
+
+def test_answer_close_names_the_factor_and_an_unanswered_question_is_todo():
+    check = answer_close("x.1 all-reduce bytes", 1, "03.bytes", 2.72e8, rtol=0.01)
+    off = check.run(_evidence("03_ddp", "smoke", [_answer("03.bytes", 2.04e8)]))
+    assert not off.passed and not off.todo and "(N-1)/N = 3/4" in off.message and "2.72" not in off.message
+    blank = check.run(_evidence("03_ddp", "smoke", [_answer("03.bytes", None)]))
+    assert not blank.passed and blank.todo and "not written yet" in blank.message
+    same = answer_equals("x.2 in flight", 1, "03.k", [8, 4]).run(_evidence("03_ddp", "smoke", [_answer("03.k", None)]))
+    assert same.todo and "None is not the expected answer" not in same.message
+    text = format_report(CheckReport("03_ddp", (off, blank, same), 0, ()))
+    assert "  FAIL  x.1 all-reduce bytes" in text and "  TODO  x.1 all-reduce bytes" in text
+    assert "  TODO  x.2 in flight" in text
+
+
+def test_7_4b_has_its_own_message_when_the_layout_of_7_4a_is_not_usable():
+    numbers = {"step_s": 1.0, "memory_gb": 10.0, "best_step_s": 1.0}
+    ev = _evidence("07_model_parallel", "smoke", [_answer("07.layout_175b_64xa100", {"dp": 1}),
+                                                  _answer("07.layout_175b_numbers", numbers)])
+    a, b = _check("07_model_parallel", "7.4a").run(ev), _check("07_model_parallel", "7.4b").run(ev)
+    assert not a.passed and not b.passed and a.message != b.message
+    assert "finish 7.4a first" in b.message
+    blank = _evidence("07_model_parallel", "smoke", [_answer("07.layout_175b_64xa100", None),
+                                                     _answer("07.layout_175b_numbers", None)])
+    assert all(_check("07_model_parallel", p).run(blank).todo for p in ("7.4a", "7.4b"))
