@@ -51,3 +51,20 @@ def test_7_4b_has_its_own_message_when_the_layout_of_7_4a_is_not_usable():
     blank = _evidence("07_model_parallel", "smoke", [_answer("07.layout_175b_64xa100", None),
                                                      _answer("07.layout_175b_numbers", None)])
     assert all(_check("07_model_parallel", p).run(blank).todo for p in ("7.4a", "7.4b"))
+
+
+def test_the_first_rank_that_failed_by_itself_is_named_not_a_peer_that_lost_it(tmp_path):
+    """A ring that walks the wrong way on 3 ranks: gloo aborts rank 0 (a signal, no Python error, its log says
+    "size doesn't match"), rank 2 then raises "Connection reset by peer" first, rank 1 is killed by the caller."""
+    import cloudpickle
+
+    from labkit.course.exercises.rank_errors import first_cause
+
+    (tmp_path / "rank_0.log").write_text("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+                                         "  what():  Received data size doesn't match expected size.\n")
+    reset = ("RuntimeError", "[pair.cc:545] Read error: Connection reset by peer.", "Traceback ...")
+    (tmp_path / "error_2.pkl").write_bytes(cloudpickle.dumps(reset))
+    assert first_cause(tmp_path, [-6, -9, 1]) == 0
+    assert first_cause(tmp_path, [-9, -9, 1]) is None  # every failure reads as a lost peer: the caller decides
+    (tmp_path / "error_1.pkl").write_bytes(cloudpickle.dumps(("ValueError", "chunk 3 of 3", "Traceback ...")))
+    assert first_cause(tmp_path, [-9, 1, 1]) == 1  # a Python error of its own beats a peer's reset

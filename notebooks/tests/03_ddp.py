@@ -6,7 +6,7 @@ computed here, in the grader's process: DDP's gradient is the mean of the ranks'
 and divides by the world size), all_reduce's result the sum of the ranks' tensors. One spawn per exercise
 serves all its tests (`share=True`). Every convention a test checks is in the exercise's docstring.
 """
-from labkit.course.exercises import ANY, List, Tensor, case, max_error, reference
+from labkit.course.exercises import ANY, List, StudentError, Tensor, case, max_error, reference
 from labkit.course.exercises.expect import conform
 
 WORLD = 3
@@ -348,8 +348,22 @@ def _ring_problem(rank, world, n, got) -> str:
 RING = {"tensor": Tensor("float32", (RING_N,)), "returned": ANY, "is_the_input": bool}
 
 
+#: What a rank's own failure says on a classic mistake of the ring -> the fix (issue #39).
+RING_ERRORS = {"size doesn't match": "a rank received a chunk of another size than the receive it posted (chunks "
+                                     f"of 6, 6 and 5 for {RING_N} elements): walk the ring one way, send chunk "
+                                     "(rank - step) % N to the right neighbour (rank + 1) and receive chunk "
+                                     "(rank - step - 1) % N from the left one (rank - 1)"}
+
+
 def _ringed(student):
-    return student.spawn(_ring_harness, world=WORLD, args=(RING_N,), returns=RING, share=True)
+    try:
+        return student.spawn(_ring_harness, world=WORLD, args=(RING_N,), returns=RING, share=True)
+    except StudentError as exc:
+        fix = next((fix for symptom, fix in RING_ERRORS.items() if symptom in exc.message), None)
+        if fix is None:
+            raise
+        raise AssertionError(f"{exc.label}: rank {exc.rank if exc.rank is not None else '?'}: {fix} "
+                             f"({exc.message.splitlines()[-1][-160:]})") from None
 
 
 @case("ring_allreduce", points=3)

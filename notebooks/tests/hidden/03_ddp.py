@@ -35,6 +35,9 @@ MUTANTS = {
         ("        if p.requires_grad:", "        if True:"),
     ],
     "ring_allreduce": [
+        # the ring walked the wrong way for the receives (issue #39: rank 0's abort and its fix, not a peer's reset)
+        ("right, left = peers[(rank + 1) % world], peers[(rank - 1) % world]",
+         "left, right = peers[(rank + 1) % world], peers[(rank - 1) % world]", "walk the ring one way"),
         ("send_i, recv_i = (rank - step) % world, (rank - step - 1) % world",
          "send_i, recv_i = (rank + step) % world, (rank + step - 1) % world",
          "the chunk index walks the wrong way around the ring"),
