@@ -1,7 +1,7 @@
 """Hidden tests of notebook 04_fsdp (run by `labkit grade`; students see only pass/fail per test and VARIES).
 
 Expected values are computed here, in the grader's process (`reference`), on unsharded models."""
-from labkit.course.exercises import Tensor, case, reference
+from labkit.course.exercises import List, Tensor, case, close, max_error, pairs, reference
 from labkit.course.exercises.cases import visible_twin
 
 visible = visible_twin(__labkit_test_file__)  # noqa: F821 - set by the test loader
