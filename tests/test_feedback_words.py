@@ -68,3 +68,31 @@ def test_the_first_rank_that_failed_by_itself_is_named_not_a_peer_that_lost_it(t
     assert first_cause(tmp_path, [-9, -9, 1]) is None  # every failure reads as a lost peer: the caller decides
     (tmp_path / "error_1.pkl").write_bytes(cloudpickle.dumps(("ValueError", "chunk 3 of 3", "Traceback ...")))
     assert first_cause(tmp_path, [-9, 1, 1]) == 1  # a Python error of its own beats a peer's reset
+
+
+def test_an_exercise_left_as_the_release_stub_is_todo_without_starting_its_process(tmp_path, monkeypatch):
+    """issue #39 item 7: `labkit check` on a fresh notebook starts no student process for an untouched stub."""
+    import nbformat
+
+    import labkit.course.exercises.grading as grading
+    from labkit.cli.check import check_notebook, format_report
+    from labkit.course.exercises.source import exercise_cells, exercise_id, stub, untouched_stub
+
+    root = __import__("pathlib").Path(__file__).resolve().parent.parent
+    for path in sorted((root / "notebooks").glob("0*.ipynb")):
+        for ex, source in exercise_cells(nbformat.read(path, 4)).items():
+            assert not untouched_stub(source, ex), (path.stem, ex)  # a solution is never taken for a stub
+    hostile = ("import os\nos.system('x')\ndef f():\n    raise NotImplementedError\n",
+               "def f(x=print('hi')):\n    raise NotImplementedError\n",
+               "@functools.cache\ndef f():\n    raise NotImplementedError\n",
+               "def f():\n    return 1\n    raise NotImplementedError\n")
+    assert not any(untouched_stub(text, "f") for text in hostile)
+    nb = nbformat.read(root / "notebooks" / "01_memory.ipynb", 4)
+    for cell in nb.cells:
+        if exercise_id(cell):
+            cell.source = stub(cell.source, exercise_id(cell))
+    nbformat.write(nb, tmp_path / "01_memory.ipynb")
+    monkeypatch.setattr(grading, "run_variants", lambda *a, **k: pytest.fail("a process was started"))
+    report = check_notebook(tmp_path / "01_memory.ipynb", "01_memory", tests=root / "notebooks" / "tests")
+    assert [g.status for g in report.code] == ["not attempted", "not attempted"]
+    assert "  TODO  model_state_bytes: not attempted" in format_report(report)
