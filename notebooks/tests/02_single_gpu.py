@@ -41,11 +41,14 @@ def _full_batch(lr, accum):
     x, y = _data()
     with torch.no_grad():
         micro = [float(F.cross_entropy(model(xb), yb)) for xb, yb in zip(x.chunk(accum), y.chunk(accum))]
+    last = _mlp()  # what zero_grad inside the micro-batch loop leaves: the last micro-batch's gradient only
+    (F.cross_entropy(last(x.chunk(accum)[-1]), y.chunk(accum)[-1]) / accum).backward()
     loss = F.cross_entropy(model(x), y)
     loss.backward()
     grads = _named(model, "grads")
     torch.optim.SGD(model.parameters(), lr=lr).step()
-    return {"loss": loss.item(), "micro": micro, "grads": grads, "weights": _named(model, "weights"), "start": start}
+    return {"loss": loss.item(), "micro": micro, "grads": grads, "weights": _named(model, "weights"), "start": start,
+            "last": _named(last, "grads")}
 
 
 def _step_harness(amp_accum_step, accum, dtype_name, init_scale, lr, stale, input_scale):
@@ -104,7 +107,7 @@ def _ratio(got: dict, want: dict) -> float:
                  torch.cat([w.reshape(-1) for w in want.values()]).norm())
 
 
-def _grad_problem(got: dict, want: dict, what: str, accum: int, rtol=1e-4, atol=1e-6) -> str:
+def _grad_problem(got: dict, want: dict, what: str, accum: int, rtol=1e-4, atol=1e-6, last=None) -> str:
     """'' when the gradients match, else which quantity is off and the fix."""
     if set(got) != set(want):
         return f"{what}: no .grad on {sorted(set(want) - set(got))}: backward every micro-batch"
@@ -114,6 +117,9 @@ def _grad_problem(got: dict, want: dict, what: str, accum: int, rtol=1e-4, atol=
                 f"{tuple(want[shaped[0]].shape)}: leave the parameters' shapes as they are")
     if all(_close(got[k], want[k], rtol, atol) for k in want):
         return ""
+    if last is not None and accum > 1 and all(_close(got[k], last[k], rtol, atol) for k in want):
+        return (f"{what}: your gradients are the last micro-batch's alone: zero the gradients once, before the "
+                "micro-batch loop (a zero_grad inside it drops what the earlier micro-batches accumulated)")
     ratio = _ratio(got, want)
     for factor, fix in (*([(accum, "divide each micro-batch loss by accum")] if accum > 1 else []),
                         (2.0 ** 12, "step with scaler.step(optimizer), which unscales them first"),
@@ -168,7 +174,9 @@ def fp32_accum_4_is_one_sgd_step_on_the_whole_batch(student):
     ref = reference(_full_batch, LR, 4)
     out = _step(student, accum=4)
     what = "fp32, accum=4, SGD"
-    for problem in (_forward_problem(out, 4, "float32", what), _grad_problem(out["grads"], ref["grads"], what, 4), _loss_problem(out["loss"], ref, 4, what, 1e-5),
+    for problem in (_forward_problem(out, 4, "float32", what),
+                    _grad_problem(out["grads"], ref["grads"], what, 4, last=ref["last"]),
+                    _loss_problem(out["loss"], ref, 4, what, 1e-5),
                     _weights_problem(out["weights"], ref, LR, what, 1e-6)):
         assert not problem, problem
 
@@ -181,7 +189,7 @@ def stale_gradients_are_cleared_first(student):
     if set(got) == set(want) and all(_close(got[k] - 3.0, want[k], 1e-4, 1e-5) for k in want):
         raise AssertionError("fp32, accum=2, every .grad holding 3.0 before the call: your gradients include that "
                              "3.0: zero the gradients first (optimizer.zero_grad)")
-    problem = _grad_problem(got, want, "fp32, accum=2, stale .grad of 3.0 before the call", 2)
+    problem = _grad_problem(got, want, "fp32, accum=2, stale .grad of 3.0 before the call", 2, last=ref["last"])
     assert not problem, problem
 
 
@@ -190,7 +198,8 @@ def fp16_with_a_grad_scaler_unscales_before_the_step(student):
     ref = reference(_full_batch, 0.5, 2)
     out = _step(student, accum=2, dtype_name="float16", init_scale=2.0 ** 12, lr=0.5)
     what = "fp16 autocast, GradScaler(init_scale=4096), accum=2"
-    for problem in (_forward_problem(out, 2, "float16", what), _grad_problem(out["grads"], ref["grads"], what, 2, rtol=2e-2, atol=2e-3),
+    for problem in (_forward_problem(out, 2, "float16", what),
+                    _grad_problem(out["grads"], ref["grads"], what, 2, rtol=2e-2, atol=2e-3, last=ref["last"]),
                     _weights_problem(out["weights"], ref, 0.5, what, 2e-3)):
         assert not problem, problem
     assert out["scale"] == 2.0 ** 12, (f"{what}: the scale is {out['scale']:g} after a step without inf: call "
@@ -216,7 +225,8 @@ def bf16_autocast_runs_the_forward_in_bf16(student):
     ref = reference(_full_batch, LR, 2)
     out = _step(student, accum=2, dtype_name="bfloat16")
     what = "dtype=torch.bfloat16, accum=2"
-    for problem in (_forward_problem(out, 2, "bfloat16", what), _grad_problem(out["grads"], ref["grads"], what, 2, rtol=3e-2, atol=2e-3),
+    for problem in (_forward_problem(out, 2, "bfloat16", what),
+                    _grad_problem(out["grads"], ref["grads"], what, 2, rtol=3e-2, atol=2e-3, last=ref["last"]),
                     _loss_problem(out["loss"], ref, 2, what, 0.02),
                     _weights_problem(out["weights"], ref, LR, what, 2e-3)):
         assert not problem, problem

@@ -166,9 +166,10 @@ def _flat(values):
     return torch.cat([v.detach().reshape(-1) for v in values])
 
 
-def _adamw_on_the_mean(world, steps, lr, weight_decay, groups):
+def _adamw_on_the_mean(world, steps, lr, weight_decay, groups, fresh=False):
     """REFERENCE (grader's process): per rank, plain AdamW on the gradient averaged over the rank's group
-    (what DDP + AdamW does); the flat weights after each step and every rank's own first gradients."""
+    (what DDP + AdamW does); the flat weights after each step and every rank's own first gradients.
+    `fresh`: a new AdamW at every step (the mistake of state that forgets the moments and the step count)."""
     import torch
     import torch.nn.functional as F
 
@@ -190,6 +191,8 @@ def _adamw_on_the_mean(world, steps, lr, weight_decay, groups):
             members = group_of[rank]
             for i, p in enumerate(model.parameters()):
                 p.grad = sum(local[r][i] for r in members) / len(members)
+            if fresh:
+                opts[rank] = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
             opts[rank].step()
             weights[rank].append(_flat(model.parameters()))
     return {"weights": weights, "first_local": first}
@@ -272,8 +275,12 @@ def weights_equal_adamw_on_the_averaged_gradients_on_3_ranks(student):
                 continue
             err = max_error(got, want)
             default = reference(_adamw_on_the_mean, WORLD, STEPS, LR, 0.01, [list(range(WORLD))])["weights"][rank]
+            fresh = reference(_adamw_on_the_mean, WORLD, STEPS, LR, DECAY, [list(range(WORLD))], True)["weights"]
             fix = ("pass weight_decay=weight_decay to AdamW (its default is 0.01)"
                    if close(got, default[step], atol=1e-6) else
+                   "your AdamW starts afresh at every step (a new optimizer forgets its moments and its step "
+                   "count): build the slice and its AdamW once, on the first call (`if not state:`), and keep "
+                   "them in `state`" if close(got, fresh[rank][step], atol=1e-6) else
                    "all-gather every rank's updated slice and write the whole vector back into the parameters")
             raise AssertionError(f"rank {rank} of {WORLD}: after step {step + 1} (AdamW, lr {LR}, weight decay "
                                  f"{DECAY}) your weights differ from AdamW on the averaged gradients by up to "

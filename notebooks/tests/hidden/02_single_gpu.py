@@ -19,6 +19,9 @@ MUTANTS = {
         ("scaler.step(optimizer)  #", "optimizer.step()  #", "step with scaler.step(optimizer)"),
         ("    scaler.update()", "    pass", "call scaler.update()"),
         ("optimizer.zero_grad(set_to_none=True)", "pass", "zero the gradients first"),
+        # a mistake of state (issue #39): its own message, not another mistake's fix
+        ("        cast = torch.autocast(", "        optimizer.zero_grad(set_to_none=True)\n        cast = torch.autocast(",
+         "the last micro-batch's alone"),
         ("cast = torch.autocast(x.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()",
          "cast = contextlib.nullcontext()", "run each forward under torch.autocast"),
         ("total = total + loss.detach().cpu()", "total = loss.detach().cpu()", "the sum of the micro-batch losses"),

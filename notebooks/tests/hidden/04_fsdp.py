@@ -32,6 +32,8 @@ MUTANTS = {
          "divide by the group size"),
         ('        state["adamw"] = torch.optim.AdamW(', '        state["full"] = flat\n        state["adamw"] = torch.optim.AdamW(',
          "keep only this rank's slice"),
+        # a mistake of state (issue #39): the optimizer rebuilt every step gets its own message
+        ("    if not state:", "    if True:", "starts afresh at every step"),
         ("dist.all_reduce(grads, group=group)", "dist.all_reduce(grads)"),
         ("world, rank = dist.get_world_size(group), dist.get_rank(group)", "world, rank = dist.get_world_size(), dist.get_rank()"),
     ],
