@@ -9,8 +9,8 @@ visible = visible_twin(__labkit_test_file__)  # noqa: F821 - set by the test loa
 
 #: What the hidden tests vary, per exercise: `ex.check` and `labkit check` show this line, nothing else.
 VARIES = {
-    "column_parallel": "2 ranks, no bias, 2-D inputs and other widths",
-    "row_parallel": "2 ranks, no bias, other widths",
+    "column_parallel": "2 ranks, no bias, 2-D inputs and other widths, a sub-group of the ranks",
+    "row_parallel": "2 ranks, no bias, other widths, a sub-group of the ranks",
     "gpipe_step": "2 stages, other micro-batch counts, a classification loss, a sub-group of the ranks",
     "bubble_fraction": "larger pipelines and micro-batch counts, and a schedule replayed slot by slot",
 }
@@ -27,6 +27,8 @@ MUTANTS = {
         ("return grad.chunk(world, dim=-1)[rank].contiguous(), None",
          "return grad.chunk(world, dim=-1)[0].contiguous(), None", "grad.chunk(world, dim=-1)[rank]"),
         ("torch.cat(parts, dim=-1)", "torch.cat(parts, dim=0)", "along the last dim"),
+        # `group` ignored by the gather (issue #39: a test on the sub-group [1, 2] of 3 ranks)
+        ("dist.all_gather(parts, y_local.contiguous(), group=group)", "dist.all_gather(parts, y_local.contiguous())"),
     ],
     "row_parallel": [
         ("torch.nn.functional.linear(x_shard, w_shard), group)  # sum of partials\n"
@@ -70,6 +72,37 @@ def two_ranks_no_bias(student):
     args = (4, 6, 5, (3, 2), False)
     got = student.spawn(visible._row_yours, world=2, args=args, returns={"y": Tensor("float32"), **GRADS})
     visible.check_row(got, reference(visible._single, *args), 6, world=2)
+
+
+def _on_ranks_1_and_2(rank, world, fn, harness, args):
+    """HARNESS (student's ranks): `harness` as ranks 0 and 1 of 2, run by global ranks 1 and 2 of 3 through the
+    sub-group [1, 2]; rank 0 is outside the group (it only takes part in creating it) and returns a dummy."""
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    group = dist.new_group([1, 2])  # every rank creates it, even one outside it
+    if rank == 0:
+        dummy = {"y": torch.zeros(1), "x": None, "w": None, "b": None}
+        return {**dummy, "local": torch.zeros(1)} if harness.__name__ == "_column_yours" else dummy
+    return harness(rank - 1, 2, functools.partial(fn, group=group), *args)
+
+
+@case("column_parallel", points=1)
+def ranks_1_and_2_of_3_as_a_group(student):
+    args = (5, 6, 4, (2, 3), True)
+    got = student.spawn(_on_ranks_1_and_2, world=3, args=(visible._column_yours, args), timeout=60,
+                        returns={"y": Tensor("float32"), "local": Tensor("float32"), **GRADS})
+    visible.check_column(got[1:], reference(visible._single, *args), 4, world=2)
+
+
+@case("row_parallel", points=1)
+def ranks_1_and_2_of_3_as_a_group_with_a_bias(student):
+    args = (7, 6, 5, (4,), True)
+    got = student.spawn(_on_ranks_1_and_2, world=3, args=(visible._row_yours, args), timeout=60,
+                        returns={"y": Tensor("float32"), **GRADS})
+    visible.check_row(got[1:], reference(visible._single, *args), 6, world=2)
 
 
 def _gpipe_ce_single(seed, microbatches, batch):
