@@ -97,3 +97,5 @@ def test_the_solution_passes_and_every_mutant_fails_a_test(notebook, exercise):
         results = run_cases(None, plan.cases(exercise), student=hollow_student(exercise, kind), cache=cache)
         passed = [r.case.name for r in results if r.status != "fail"]
         assert not passed, f"{exercise}: a {kind} answer (tests/_hollow.py) passes {passed}: validate it (expect.py)"
+        broken = [r.message for r in results if r.message.startswith("NameError")]  # the test's own bug, not a verdict
+        assert not broken, f"{exercise}: a test fails on a {kind} answer with {broken[0]!r}: fix the test file"
