@@ -198,11 +198,28 @@ def _overlap_harness(rank, world, overlap_gradient_averaging, bucket_bytes, lr, 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     finish = overlap_gradient_averaging(model, None, bucket_bytes)
-    calls, real = [], dist.all_reduce
+    calls, real, pending = [], dist.all_reduce, {}
+
+    class Waited:
+        """An async all-reduce's Work that notes its wait() (a mistake of timing: the sum read before it is there)."""
+
+        def __init__(self, work):
+            self._work = work
+            pending[id(self)] = True
+
+        def wait(self, *args, **kwargs):
+            pending.pop(id(self), None)
+            return self._work.wait(*args, **kwargs)
+
+        def __getattr__(self, name):
+            if name == "get_future":
+                pending.pop(id(self), None)  # waited on through its future
+            return getattr(self._work, name)
 
     def counting(*args, **kwargs):
         calls.append(1)
-        return real(*args, **kwargs)
+        work = real(*args, **kwargs)
+        return Waited(work) if kwargs.get("async_op") and work is not None else work
 
     out = []
     dist.all_reduce = counting
@@ -210,14 +227,16 @@ def _overlap_harness(rank, world, overlap_gradient_averaging, bucket_bytes, lr, 
         for step in range(steps):
             opt.zero_grad(set_to_none=True)
             calls.clear()
+            pending.clear()
             try:
                 _backward(model, rank, step)
                 during = len(calls)
                 finish()
             except Exception as exc:  # noqa: BLE001 - reported by the test of this step
-                out.append({"grads": {}, "during_backward": len(calls), "error": f"{type(exc).__name__}: {exc}"[:300]})
+                out.append({"grads": {}, "during_backward": len(calls), "error": f"{type(exc).__name__}: {exc}"[:300],
+                            "unwaited": len(pending)})
                 break
-            out.append({"grads": _grads(model), "during_backward": during, "error": ""})
+            out.append({"grads": _grads(model), "during_backward": during, "error": "", "unwaited": len(pending)})
             opt.step()
     finally:
         dist.all_reduce = real
@@ -226,7 +245,7 @@ def _overlap_harness(rank, world, overlap_gradient_averaging, bucket_bytes, lr, 
 
 def _overlapped(student):
     return student.spawn(_overlap_harness, world=WORLD, args=(BUCKET_BYTES, LR, 2), share=True,
-                         returns=List({"grads": GRADS, "during_backward": int, "error": str}, min=1))
+                         returns=List({"grads": GRADS, "during_backward": int, "error": str, "unwaited": int}, min=1))
 
 
 def _overlap_problem(rank, got: dict, step_ref: dict) -> str:
@@ -247,6 +266,10 @@ def gradients_equal_ddps_on_3_ranks_with_small_buckets(student):
     ref = reference(_ddp_reference, WORLD, 2, LR, [list(range(WORLD))])
     for rank, steps in enumerate(_overlapped(student)):
         assert not steps[0]["error"], f"rank {rank} of {WORLD}, first backward and finish(): {steps[0]['error']}"
+        unwaited = steps[0]["unwaited"]  # a mistake of timing: its own message, whatever the gradients say
+        assert not unwaited, (f"rank {rank} of {WORLD}: finish() returned with {unwaited} async all-reduce(s) never "
+                              "waited on: call .wait() on the work each dist.all_reduce(..., async_op=True) returned "
+                              "before reading its tensor (async_op returns at once; the sum may not be there yet)")
         problem = _overlap_problem(rank, steps[0]["grads"], ref[0])
         assert not problem, f"first backward ({BUCKET_BYTES} B buckets): {problem}"
         assert len(steps) == 2, f"rank {rank} of {WORLD}: {len(steps)} steps came back from the harness, expected 2"

@@ -32,6 +32,8 @@ MUTANTS = {
         ("                p.grad.copy_(part.view_as(p.grad))", "                pass",
          "copy the averaged values back into each .grad"),
         ("dist.all_reduce(flat, group=group, async_op=True)", "dist.all_reduce(flat, async_op=True)"),
+        # a mistake of timing (issue #39): its own message, not "copy the averaged values back"
+        ("            work.wait()\n", "", "never waited on"),
         ("        if p.requires_grad:", "        if True:"),
     ],
     "ring_allreduce": [
