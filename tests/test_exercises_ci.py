@@ -3,6 +3,10 @@
 Generic over notebooks/tests/hidden/*.py, so a lab's new exercises are covered without touching this file.
 A mutant marked visible (a 3-tuple in MUTANTS) must fail a VISIBLE test whose message names its fix:
 the classic mistakes are caught where the student sees them, hidden tests only add cases.
+Beside the mutants of the solution, every test meets the hollow answers of its exercise's `returns=` specs
+(tests/_hollow.py: empty lists and dicts, zero-size tensors, None, NaN, a broadcastable wrong shape; issue #39)
+and must fail each: they run in this process against the references the solution's run cached, so they cost
+no student process and no rank.
 The executed source notebooks' recorded checks are asserted in tests/test_notebooks.py, right after each run; the
 code tests of their exercise cells (the same source) are this file's solution runs.
 """
@@ -13,7 +17,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.course.exercises import load_cases, load_mutants
+from _hollow import KINDS, hollow_student
+
+from labkit.course.exercises import load_cases, load_mutants, run_cases
 from labkit.course.exercises.cases import load_varies
 from labkit.course.exercises.grading import plan_for, run_variants
 from labkit.course.exercises.source import exercise_cells, regions
@@ -75,8 +81,9 @@ def test_the_solution_passes_and_every_mutant_fails_a_test(notebook, exercise):
     mutants = load_mutants(TESTS / "hidden" / f"{notebook}.py")[exercise]
     variants = [source] + [source.replace(m.fragment, m.replacement) for m in mutants]
     plan = plan_for(notebook, TESTS, TESTS / "hidden")
+    cache: dict = {}  # the references of the solution's run, read again by the hollow answers below
     solution, *mutated = run_variants(exercise, variants, plan, timeout_s=900, memory_bytes=16 * 2**30,
-                                      output_bytes=2**24)
+                                      output_bytes=2**24, cache=cache)
     assert not solution.error and all(r.status == "pass" for r in solution.results), solution
     for m, result in zip(mutants, mutated):
         failed = [r for r in result.results if r.status != "pass"]
@@ -86,3 +93,9 @@ def test_the_solution_passes_and_every_mutant_fails_a_test(notebook, exercise):
             assert any(m.fix in text for text in messages), (
                 f"{exercise}: mutant {m.replacement!r} must fail a visible test whose message says {m.fix!r}; "
                 f"visible failures: {messages or 'none'}")
+    for kind in KINDS:  # issue #39: a hollow answer fails every test it reaches
+        results = run_cases(None, plan.cases(exercise), student=hollow_student(exercise, kind), cache=cache)
+        passed = [r.case.name for r in results if r.status != "fail"]
+        assert not passed, f"{exercise}: a {kind} answer (tests/_hollow.py) passes {passed}: validate it (expect.py)"
+        broken = [r.message for r in results if r.message.startswith("NameError")]  # the test's own bug, not a verdict
+        assert not broken, f"{exercise}: a test fails on a {kind} answer with {broken[0]!r}: fix the test file"

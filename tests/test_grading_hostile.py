@@ -321,7 +321,7 @@ def test_no_hidden_test_text_reaches_any_feedback(corpus):
     # The attacks ran and found nothing: their visible-test messages say so, in the student's own words
     assert "LOOT found nothing" in pages["read_autograder"]
     assert "PASS [(1000000000" in pages["exfiltrate"]  # a visible test's arguments: visible anyway
-    assert "died before answering" in runs["recorded"]["exfiltrate"]["detail"]
+    assert "stopped during a hidden test" in runs["recorded"]["exfiltrate"]["detail"]  # one reason, whatever happened
     assert "ARGS" not in runs["recorded"]["exfiltrate"]["detail"]  # its output is not named after a hidden test
     # Under --execute the notebook looked for the release (inside the source tree) and the tree's hidden tests
     executed = nbformat.read(root / "out-exec" / "executed" / "read_autograder" / f"{NOTEBOOK}.ipynb", 4)

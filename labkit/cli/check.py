@@ -119,7 +119,7 @@ def format_report(report: CheckReport) -> str:
     lines = [f"{report.notebook}: {passed}/{len(report.results)} {which} checks pass "
              f"({earned:g}/{possible:g} points)"]
     for r in report.results:
-        mark = "PASS" if r.passed else "FAIL"
+        mark = "PASS" if r.passed else "TODO" if r.todo else "FAIL"
         lines.append(f"  {mark}  {r.name} ({r.points:g} pts)" + ("" if r.passed else f"\n        fix: {r.message}"))
     if report.code:
         done = sum(g.status == "pass" for g in report.code)

@@ -5,7 +5,7 @@ gradients and weights after the step, the scaler's scale, what autograd saved); 
 computed here, in the grader's process, from one plain fp32 step on the whole batch. Gradients are checked
 after ONE SGD step, so a scale error shows. Every convention a test checks is in the exercise's docstring.
 """
-from labkit.course.exercises import ANY, Tensor, case, reference
+from labkit.course.exercises import ANY, Either, Float, Tensor, case, max_error, reference
 from labkit.course.exercises.expect import conform
 from labkit.course.exercises.student import StudentError
 
@@ -41,11 +41,14 @@ def _full_batch(lr, accum):
     x, y = _data()
     with torch.no_grad():
         micro = [float(F.cross_entropy(model(xb), yb)) for xb, yb in zip(x.chunk(accum), y.chunk(accum))]
+    last = _mlp()  # what zero_grad inside the micro-batch loop leaves: the last micro-batch's gradient only
+    (F.cross_entropy(last(x.chunk(accum)[-1]), y.chunk(accum)[-1]) / accum).backward()
     loss = F.cross_entropy(model(x), y)
     loss.backward()
     grads = _named(model, "grads")
     torch.optim.SGD(model.parameters(), lr=lr).step()
-    return {"loss": loss.item(), "micro": micro, "grads": grads, "weights": _named(model, "weights"), "start": start}
+    return {"loss": loss.item(), "micro": micro, "grads": grads, "weights": _named(model, "weights"), "start": start,
+            "last": _named(last, "grads")}
 
 
 def _step_harness(amp_accum_step, accum, dtype_name, init_scale, lr, stale, input_scale):
@@ -68,7 +71,9 @@ def _step_harness(amp_accum_step, accum, dtype_name, init_scale, lr, stale, inpu
             "forward_dtypes": seen}
 
 
-STEP = {"loss": float | None, "grads": {str: Tensor()}, "weights": {str: Tensor("float32")}, "scale": float,
+#: After an overflow the loss and the gradients hold inf (that is the test), so they may be non-finite here.
+STEP = {"loss": Either(Float(finite=False), None), "grads": {str: Tensor(finite=False)},
+        "weights": {str: Tensor("float32")}, "scale": float,
         "forward_dtypes": [str]}
 
 #: torch's GradScaler refuses a step taken the wrong way; what each refusal means in this exercise.
@@ -102,20 +107,27 @@ def _ratio(got: dict, want: dict) -> float:
                  torch.cat([w.reshape(-1) for w in want.values()]).norm())
 
 
-def _grad_problem(got: dict, want: dict, what: str, accum: int, rtol=1e-4, atol=1e-6) -> str:
+def _grad_problem(got: dict, want: dict, what: str, accum: int, rtol=1e-4, atol=1e-6, last=None) -> str:
     """'' when the gradients match, else which quantity is off and the fix."""
     if set(got) != set(want):
         return f"{what}: no .grad on {sorted(set(want) - set(got))}: backward every micro-batch"
+    shaped = [k for k in want if tuple(got[k].shape) != tuple(want[k].shape)]
+    if shaped:  # before any arithmetic: a wrong shape is never broadcast
+        return (f"{what}: {shaped[0]}.grad has shape {tuple(got[shaped[0]].shape)}, expected "
+                f"{tuple(want[shaped[0]].shape)}: leave the parameters' shapes as they are")
     if all(_close(got[k], want[k], rtol, atol) for k in want):
         return ""
+    if last is not None and accum > 1 and all(_close(got[k], last[k], rtol, atol) for k in want):
+        return (f"{what}: your gradients are the last micro-batch's alone: zero the gradients once, before the "
+                "micro-batch loop (a zero_grad inside it drops what the earlier micro-batches accumulated)")
     ratio = _ratio(got, want)
     for factor, fix in (*([(accum, "divide each micro-batch loss by accum")] if accum > 1 else []),
                         (2.0 ** 12, "step with scaler.step(optimizer), which unscales them first"),
                         (2.0 ** -12, "backward through scaler.scale(loss), so scaler.step's unscaling undoes it")):
         if abs(ratio / factor - 1) < 0.02:
             return f"{what}: your gradients are {ratio:.4g}x the whole batch's: {fix}"
-    name = max(want, key=lambda k: float((got[k].float() - want[k]).abs().max()))
-    err = float((got[name].float() - want[name]).abs().max())
+    name = max(want, key=lambda k: max_error(got[k].float(), want[k]))
+    err = max_error(got[name].float(), want[name])
     return f"{what}: {name}.grad differs from the whole batch's by up to {err:.2e} (ratio of norms {ratio:.3f})"
 
 
@@ -145,12 +157,14 @@ def _forward_problem(out, accum, dtype_name, what) -> str:
 
 def _weights_problem(got: dict, ref, lr, what, atol) -> str:
     start = ref["start"]
+    if set(got) != set(start):
+        return f"{what}: the model's parameters changed names: {sorted(set(start) ^ set(got))[:3]}: keep the model as given"
     if all(_close(got[k], start[k], 0, 0) for k in start):
         return f"{what}: the weights did not change: step the optimizer, through scaler.step(optimizer)"
     want = {k: start[k] - lr * ref["grads"][k] for k in start}
     if all(_close(got[k], want[k], 1e-4, atol) for k in want):
         return ""
-    err = max(float((got[k] - want[k]).abs().max()) for k in want)
+    err = max(max_error(got.get(k), want[k]) for k in want)
     return f"{what}: after the step the weights differ from one SGD step (lr {lr}) on the whole batch by {err:.2e}: " \
            "take exactly one optimizer step, after the last micro-batch"
 
@@ -160,7 +174,9 @@ def fp32_accum_4_is_one_sgd_step_on_the_whole_batch(student):
     ref = reference(_full_batch, LR, 4)
     out = _step(student, accum=4)
     what = "fp32, accum=4, SGD"
-    for problem in (_forward_problem(out, 4, "float32", what), _grad_problem(out["grads"], ref["grads"], what, 4), _loss_problem(out["loss"], ref, 4, what, 1e-5),
+    for problem in (_forward_problem(out, 4, "float32", what),
+                    _grad_problem(out["grads"], ref["grads"], what, 4, last=ref["last"]),
+                    _loss_problem(out["loss"], ref, 4, what, 1e-5),
                     _weights_problem(out["weights"], ref, LR, what, 1e-6)):
         assert not problem, problem
 
@@ -173,7 +189,7 @@ def stale_gradients_are_cleared_first(student):
     if set(got) == set(want) and all(_close(got[k] - 3.0, want[k], 1e-4, 1e-5) for k in want):
         raise AssertionError("fp32, accum=2, every .grad holding 3.0 before the call: your gradients include that "
                              "3.0: zero the gradients first (optimizer.zero_grad)")
-    problem = _grad_problem(got, want, "fp32, accum=2, stale .grad of 3.0 before the call", 2)
+    problem = _grad_problem(got, want, "fp32, accum=2, stale .grad of 3.0 before the call", 2, last=ref["last"])
     assert not problem, problem
 
 
@@ -182,7 +198,8 @@ def fp16_with_a_grad_scaler_unscales_before_the_step(student):
     ref = reference(_full_batch, 0.5, 2)
     out = _step(student, accum=2, dtype_name="float16", init_scale=2.0 ** 12, lr=0.5)
     what = "fp16 autocast, GradScaler(init_scale=4096), accum=2"
-    for problem in (_forward_problem(out, 2, "float16", what), _grad_problem(out["grads"], ref["grads"], what, 2, rtol=2e-2, atol=2e-3),
+    for problem in (_forward_problem(out, 2, "float16", what),
+                    _grad_problem(out["grads"], ref["grads"], what, 2, rtol=2e-2, atol=2e-3, last=ref["last"]),
                     _weights_problem(out["weights"], ref, 0.5, what, 2e-3)):
         assert not problem, problem
     assert out["scale"] == 2.0 ** 12, (f"{what}: the scale is {out['scale']:g} after a step without inf: call "
@@ -208,7 +225,8 @@ def bf16_autocast_runs_the_forward_in_bf16(student):
     ref = reference(_full_batch, LR, 2)
     out = _step(student, accum=2, dtype_name="bfloat16")
     what = "dtype=torch.bfloat16, accum=2"
-    for problem in (_forward_problem(out, 2, "bfloat16", what), _grad_problem(out["grads"], ref["grads"], what, 2, rtol=3e-2, atol=2e-3),
+    for problem in (_forward_problem(out, 2, "bfloat16", what),
+                    _grad_problem(out["grads"], ref["grads"], what, 2, rtol=3e-2, atol=2e-3, last=ref["last"]),
                     _loss_problem(out["loss"], ref, 2, what, 0.02),
                     _weights_problem(out["weights"], ref, LR, what, 2e-3)):
         assert not problem, problem
@@ -300,6 +318,12 @@ def an_input_without_grad_still_gives_weight_gradients(student):
 def keeps_only_its_input_for_backward(student):
     ref = reference(_plain, True)
     out = student.run(_checkpoint_harness, True, returns=CHECKPOINTED)
+    # the memory point is for a checkpoint that works: an output that is block(x) and that backward reaches
+    problem = "" if out["requires_grad"] else "your output does not require grad: backward cannot reach the block"
+    problem = problem or _gradients_problem(out, ref, "x with requires_grad=True")
+    assert not problem, f"{problem} (saving memory counts only for a block that still trains)"
+    assert out["kept"] > 0, ("autograd saved 0 B for backward: checkpoint keeps the block's input x for the "
+                             "recomputation (torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False))")
     assert out["kept"] <= ref["x_bytes"], (
         f"autograd saved {out['kept']:,} B for backward, the plain block {ref['kept']:,} B: wrap the call in "
         f"torch.utils.checkpoint.checkpoint so backward recomputes the block; it keeps only its input "

@@ -6,7 +6,7 @@ computed here, in the grader's process: DDP's gradient is the mean of the ranks'
 and divides by the world size), all_reduce's result the sum of the ranks' tensors. One spawn per exercise
 serves all its tests (`share=True`). Every convention a test checks is in the exercise's docstring.
 """
-from labkit.course.exercises import ANY, Tensor, case, reference
+from labkit.course.exercises import ANY, List, StudentError, Tensor, case, max_error, reference
 from labkit.course.exercises.expect import conform
 
 WORLD = 3
@@ -88,8 +88,8 @@ def _first_difference(got: dict, want: dict) -> str:
     missing = [k for k in want if k not in got]
     if missing:
         return f"{missing[0]}.grad is None: every trainable parameter needs its averaged gradient"
-    name = max(want, key=lambda k: float((got[k] - want[k]).abs().max()))
-    err = float((got[name] - want[name]).abs().max())
+    name = max(want, key=lambda k: max_error(got[k], want[k]))
+    err = max_error(got[name], want[name])
     return f"{name}.grad differs from DDP's by up to {err:.2e} (ratio of norms {_ratio(got, want):.3f})"
 
 
@@ -198,11 +198,28 @@ def _overlap_harness(rank, world, overlap_gradient_averaging, bucket_bytes, lr, 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     finish = overlap_gradient_averaging(model, None, bucket_bytes)
-    calls, real = [], dist.all_reduce
+    calls, real, pending = [], dist.all_reduce, {}
+
+    class Waited:
+        """An async all-reduce's Work that notes its wait() (a mistake of timing: the sum read before it is there)."""
+
+        def __init__(self, work):
+            self._work = work
+            pending[id(self)] = True
+
+        def wait(self, *args, **kwargs):
+            pending.pop(id(self), None)
+            return self._work.wait(*args, **kwargs)
+
+        def __getattr__(self, name):
+            if name == "get_future":
+                pending.pop(id(self), None)  # waited on through its future
+            return getattr(self._work, name)
 
     def counting(*args, **kwargs):
         calls.append(1)
-        return real(*args, **kwargs)
+        work = real(*args, **kwargs)
+        return Waited(work) if kwargs.get("async_op") and work is not None else work
 
     out = []
     dist.all_reduce = counting
@@ -210,14 +227,16 @@ def _overlap_harness(rank, world, overlap_gradient_averaging, bucket_bytes, lr, 
         for step in range(steps):
             opt.zero_grad(set_to_none=True)
             calls.clear()
+            pending.clear()
             try:
                 _backward(model, rank, step)
                 during = len(calls)
                 finish()
             except Exception as exc:  # noqa: BLE001 - reported by the test of this step
-                out.append({"grads": {}, "during_backward": len(calls), "error": f"{type(exc).__name__}: {exc}"[:300]})
+                out.append({"grads": {}, "during_backward": len(calls), "error": f"{type(exc).__name__}: {exc}"[:300],
+                            "unwaited": len(pending)})
                 break
-            out.append({"grads": _grads(model), "during_backward": during, "error": ""})
+            out.append({"grads": _grads(model), "during_backward": during, "error": "", "unwaited": len(pending)})
             opt.step()
     finally:
         dist.all_reduce = real
@@ -226,7 +245,7 @@ def _overlap_harness(rank, world, overlap_gradient_averaging, bucket_bytes, lr, 
 
 def _overlapped(student):
     return student.spawn(_overlap_harness, world=WORLD, args=(BUCKET_BYTES, LR, 2), share=True,
-                         returns=[{"grads": GRADS, "during_backward": int, "error": str}])
+                         returns=List({"grads": GRADS, "during_backward": int, "error": str, "unwaited": int}, min=1))
 
 
 def _overlap_problem(rank, got: dict, step_ref: dict) -> str:
@@ -247,8 +266,13 @@ def gradients_equal_ddps_on_3_ranks_with_small_buckets(student):
     ref = reference(_ddp_reference, WORLD, 2, LR, [list(range(WORLD))])
     for rank, steps in enumerate(_overlapped(student)):
         assert not steps[0]["error"], f"rank {rank} of {WORLD}, first backward and finish(): {steps[0]['error']}"
+        unwaited = steps[0]["unwaited"]  # a mistake of timing: its own message, whatever the gradients say
+        assert not unwaited, (f"rank {rank} of {WORLD}: finish() returned with {unwaited} async all-reduce(s) never "
+                              "waited on: call .wait() on the work each dist.all_reduce(..., async_op=True) returned "
+                              "before reading its tensor (async_op returns at once; the sum may not be there yet)")
         problem = _overlap_problem(rank, steps[0]["grads"], ref[0])
         assert not problem, f"first backward ({BUCKET_BYTES} B buckets): {problem}"
+        assert len(steps) == 2, f"rank {rank} of {WORLD}: {len(steps)} steps came back from the harness, expected 2"
         assert not steps[1]["error"], (f"rank {rank} of {WORLD}, second backward and finish() (the first was right): "
                                        f"{steps[1]['error']}: finish() must leave the hooks ready for the next "
                                        "backward (an empty bucket, no all-reduce pending)")
@@ -347,8 +371,22 @@ def _ring_problem(rank, world, n, got) -> str:
 RING = {"tensor": Tensor("float32", (RING_N,)), "returned": ANY, "is_the_input": bool}
 
 
+#: What a rank's own failure says on a classic mistake of the ring -> the fix (issue #39).
+RING_ERRORS = {"size doesn't match": "a rank received a chunk of another size than the receive it posted (chunks "
+                                     f"of 6, 6 and 5 for {RING_N} elements): walk the ring one way, send chunk "
+                                     "(rank - step) % N to the right neighbour (rank + 1) and receive chunk "
+                                     "(rank - step - 1) % N from the left one (rank - 1)"}
+
+
 def _ringed(student):
-    return student.spawn(_ring_harness, world=WORLD, args=(RING_N,), returns=RING, share=True)
+    try:
+        return student.spawn(_ring_harness, world=WORLD, args=(RING_N,), returns=RING, share=True)
+    except StudentError as exc:
+        fix = next((fix for symptom, fix in RING_ERRORS.items() if symptom in exc.message), None)
+        if fix is None:
+            raise
+        raise AssertionError(f"{exc.label}: rank {exc.rank if exc.rank is not None else '?'}: {fix} "
+                             f"({exc.message.splitlines()[-1][-160:]})") from None
 
 
 @case("ring_allreduce", points=3)

@@ -6,7 +6,7 @@ grader's process, on one unsharded model: the gradient every data-parallel rank 
 of the ranks' own gradients, ZeRO-1's step is plain AdamW on that mean. One spawn per exercise serves all
 its tests (`share=True`). Every convention a test checks is in the exercise's docstring.
 """
-from labkit.course.exercises import ANY, Tensor, case, reference
+from labkit.course.exercises import Either, List, Tensor, case, close, like, max_error, pairs, reference
 from labkit.course.exercises.expect import conform
 
 
@@ -101,8 +101,6 @@ def _sharded(student):
 
 @case("shard_model", points=2)
 def every_block_and_the_root_are_sharded_units_with_ddps_gradients(student):
-    import torch
-
     want = reference(_mean_llama_grads, 2)
     for rank, out in enumerate(_sharded(student)):
         assert not out["not_dtensor"], (
@@ -117,9 +115,10 @@ def every_block_and_the_root_are_sharded_units_with_ddps_gradients(student):
                              "the whole model is then gathered at once: no memory saved at the peak)")
         got = out["grads"]
         assert set(got) == set(want), f"rank {rank} of 2: no gradient for {sorted(set(want) - set(got))[:3]}"
-        name = max(want, key=lambda k: float((got[k] - want[k]).abs().max()))
-        err = float((got[name] - want[name]).abs().max())
-        assert torch.allclose(got[name], want[name], rtol=1e-4, atol=1e-6), (
+        like(got, want, f"rank {rank} of 2, fp32 policy: the gradients")  # shapes first: no broadcasting
+        name = max(want, key=lambda k: max_error(got[k], want[k]))
+        err = max_error(got[name], want[name])
+        assert close(got[name], want[name], rtol=1e-4, atol=1e-6), (
             f"rank {rank} of 2, fp32 policy: {name}'s gradient differs by up to {err:.2e} from the mean of the ranks' "
             "gradients, what DDP and apply_fsdp give")
 
@@ -167,9 +166,10 @@ def _flat(values):
     return torch.cat([v.detach().reshape(-1) for v in values])
 
 
-def _adamw_on_the_mean(world, steps, lr, weight_decay, groups):
+def _adamw_on_the_mean(world, steps, lr, weight_decay, groups, fresh=False):
     """REFERENCE (grader's process): per rank, plain AdamW on the gradient averaged over the rank's group
-    (what DDP + AdamW does); the flat weights after each step and every rank's own first gradients."""
+    (what DDP + AdamW does); the flat weights after each step and every rank's own first gradients.
+    `fresh`: a new AdamW at every step (the mistake of state that forgets the moments and the step count)."""
     import torch
     import torch.nn.functional as F
 
@@ -191,6 +191,8 @@ def _adamw_on_the_mean(world, steps, lr, weight_decay, groups):
             members = group_of[rank]
             for i, p in enumerate(model.parameters()):
                 p.grad = sum(local[r][i] for r in members) / len(members)
+            if fresh:
+                opts[rank] = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
             opts[rank].step()
             weights[rank].append(_flat(model.parameters()))
     return {"weights": weights, "first_local": first}
@@ -219,7 +221,10 @@ def _zero1_harness(rank, world, zero1_step, steps, lr, weight_decay):
     return {"weights": weights, "first_slice_grad": seen, "state_bytes": state_bytes(state)}
 
 
-ZERO1 = {"weights": [Tensor("float32", (227,))], "first_slice_grad": ANY, "state_bytes": int}
+#: Every step's weights (exactly STEPS of them); the first moment is None when `state` holds no single AdamW,
+#: and then only the weights decide (a hint, never a skipped check).
+ZERO1 = {"weights": List(Tensor("float32", (227,)), STEPS),
+         "first_slice_grad": Either(Tensor("float32", (None,)), None), "state_bytes": int}
 
 
 def _zero1(student):
@@ -257,8 +262,6 @@ def _slice_problem(rank, seen, ref, size) -> str:
 
 @case("zero1_step", points=3)
 def weights_equal_adamw_on_the_averaged_gradients_on_3_ranks(student):
-    import torch
-
     ref = reference(_adamw_on_the_mean, WORLD, STEPS, LR, DECAY, [list(range(WORLD))])
     size = -(-227 // WORLD)
     outs = _zero1(student)
@@ -267,13 +270,17 @@ def weights_equal_adamw_on_the_averaged_gradients_on_3_ranks(student):
             problem = _slice_problem(rank, out["first_slice_grad"], ref, size)
             assert not problem, problem
     for rank, out in enumerate(outs):
-        for step, (got, want) in enumerate(zip(out["weights"], ref["weights"][rank])):
-            if torch.allclose(got, want, atol=1e-5):
+        for step, (got, want) in enumerate(pairs(out["weights"], ref["weights"][rank], f"rank {rank}'s weights")):
+            if close(got, want, atol=1e-5):
                 continue
-            err = float((got - want).abs().max())
+            err = max_error(got, want)
             default = reference(_adamw_on_the_mean, WORLD, STEPS, LR, 0.01, [list(range(WORLD))])["weights"][rank]
+            fresh = reference(_adamw_on_the_mean, WORLD, STEPS, LR, DECAY, [list(range(WORLD))], True)["weights"]
             fix = ("pass weight_decay=weight_decay to AdamW (its default is 0.01)"
-                   if torch.allclose(got, default[step], atol=1e-6) else
+                   if close(got, default[step], atol=1e-6) else
+                   "your AdamW starts afresh at every step (a new optimizer forgets its moments and its step "
+                   "count): build the slice and its AdamW once, on the first call (`if not state:`), and keep "
+                   "them in `state`" if close(got, fresh[rank][step], atol=1e-6) else
                    "all-gather every rank's updated slice and write the whole vector back into the parameters")
             raise AssertionError(f"rank {rank} of {WORLD}: after step {step + 1} (AdamW, lr {LR}, weight decay "
                                  f"{DECAY}) your weights differ from AdamW on the averaged gradients by up to "

@@ -5,7 +5,7 @@ it produced: outputs, the gradients of the weights AND of the input, the loss. T
 the same seeded weights and data runs here (`reference`): Megatron's TP and GPipe only reorganise its work,
 so every rank must match it. A loss sum(y * c) has gradient c, so scale errors show as exact ratios.
 """
-from labkit.course.exercises import ANY, StudentError, Tensor, case, reference
+from labkit.course.exercises import ANY, StudentError, Tensor, case, pairs, reference
 
 WORLD = 3
 
@@ -299,7 +299,11 @@ def check_gpipe(got, want, m, batch, world=WORLD):
         "sum over the micro-batches of loss_fn(output_i, targets_i) / microbatches")
     for rank, mine in enumerate(got):
         refs = want["grads"][2 * rank:2 * rank + 2]
-        for i, (g, ref) in enumerate(zip(mine["grads"], refs)):
+        assert len(mine["grads"]) == len(refs), (
+            f"stage {rank} of {world} has {len(mine['grads'])} parameters after your step, expected {len(refs)} "
+            "(its layers' weights and biases): leave the stage's parameters in place; run every micro-batch's "
+            "forward and backward through it")
+        for i, (g, ref) in enumerate(pairs(mine["grads"], refs, f"stage {rank} of {world}'s gradients")):
             problem = _grad_problem(g, ref, f"stage {rank} of {world}: parameter {i}'s gradient")
             if problem is None:
                 continue

@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Callable
 
 from labkit.course.exercises.cases import Case, CaseResult, ExerciseError, Mutant, case, load_cases, load_mutants
-from labkit.course.exercises.expect import ANY, Tensor
+from labkit.course.exercises.expect import ANY, Either, Float, List, Tensor, close, like, max_error, pairs
 from labkit.course.exercises.spawn import spawn
 from labkit.course.exercises.student import Student, StudentError, reference, trusted_spawn
 from labkit.course.exercises.verdicts import run_cases
 
-__all__ = ["ANY", "Case", "CaseResult", "ExerciseError", "Mutant", "Student", "StudentError", "Tensor", "attempt",
-           "case", "check", "find_cases", "load_cases", "load_mutants", "reference", "run_cases", "spawn",
-           "trusted_spawn"]
+__all__ = ["ANY", "Case", "CaseResult", "Either", "ExerciseError", "Float", "List", "Mutant", "Student",
+           "StudentError", "Tensor", "attempt", "case", "check", "close", "find_cases", "like", "load_cases",
+           "load_mutants", "max_error", "pairs", "reference", "run_cases", "spawn", "trusted_spawn"]
 
 
 def find_cases(exercise: str, tests: str | Path | None = None) -> list[Case]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit.course.exercises.cases import Case, load_cases
+from labkit.course.exercises.cases import Case, CaseResult, load_cases
 from labkit.course.exercises.judge import VariantResult, judge
-from labkit.course.exercises.source import exercise_cells
+from labkit.course.exercises.source import exercise_cells, untouched_stub
 from labkit.course.grading.checks import CheckResult
 
 #: Seconds per exercise (all its tests in one process) unless the caller says otherwise.
@@ -97,7 +97,7 @@ def plan_for(notebook: str, visible_dir: Path | None, hidden_dir: Path | None = 
 
 def run_variants(exercise: str, sources: list[str], plan: Plan, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  memory_bytes: int = 8 * 2**30, output_bytes: int = 50 * 2**20, isolation=None, private: tuple = (),
-                 kernel: str = "labkit") -> list[VariantResult]:
+                 kernel: str = "labkit", cache: dict | None = None) -> list[VariantResult]:
     """Every case of `exercise` on each source variant (the submitted cell; in CI the solution and its mutants),
     judged in this process (labkit.course.exercises.judge): hidden tests' messages included (the grader's own
     data; what feedback shows of them is _check_results' business)."""
@@ -106,7 +106,7 @@ def run_variants(exercise: str, sources: list[str], plan: Plan, *, timeout_s: fl
     # an answer is output too: --output-mib caps it (refused before it is read)
     return judge(exercise, sources, plan.cases(exercise), max_message=min(wire.MAX_BYTES, output_bytes),
                  timeout_s=timeout_s, memory_bytes=memory_bytes, output_bytes=output_bytes, isolation=isolation,
-                 private=private, kernel=kernel)
+                 private=private, kernel=kernel, cache=cache)
 
 
 def _check_results(exercise: str, variant: VariantResult, reveal_hidden: bool) -> tuple[str, str, tuple]:
@@ -145,6 +145,14 @@ def _missing(exercise: str, plan: Plan) -> ExerciseGrade:
         for c in plan.cases(exercise)))
 
 
+def _untouched(exercise: str, plan: Plan, reveal_hidden: bool) -> ExerciseGrade:
+    """What running the release's stub gives (its first test meets NotImplementedError, every test is then not
+    attempted), without starting the student's process."""
+    message = f"exercise {exercise}: write your code here"
+    variant = VariantResult(tuple(CaseResult(c, "not attempted", message) for c in plan.cases(exercise)))
+    return ExerciseGrade(exercise, *_check_results(exercise, variant, reveal_hidden))
+
+
 def grade_exercises(nb, notebook: str, plan: Plan, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                     memory_bytes: int = 8 * 2**30, output_bytes: int = 50 * 2**20, isolation=None,
                     private: tuple = (), kernel: str = "labkit", reveal_hidden: bool = False) -> list[ExerciseGrade]:
@@ -154,6 +162,9 @@ def grade_exercises(nb, notebook: str, plan: Plan, *, timeout_s: float = DEFAULT
     for exercise in plan.exercises:
         if exercise not in cells:
             grades.append(_missing(exercise, plan))
+            continue
+        if untouched_stub(cells[exercise], exercise):  # the release's stub: no process to start (issue #39)
+            grades.append(_untouched(exercise, plan, reveal_hidden))
             continue
         variant = run_variants(exercise, [cells[exercise]], plan, timeout_s=timeout_s, memory_bytes=memory_bytes,
                                output_bytes=output_bytes, isolation=isolation, private=private, kernel=kernel)[0]

@@ -9,7 +9,8 @@ visibility come from the loaded cases, statuses are decided here, and nothing th
 writes is a verdict. Visible cases run before hidden ones, so what a hidden test sends cannot come back in
 a visible test's message. The process serves all the variants (a new one only after a variant killed it);
 it is killed when it hangs past `timeout_s` (per variant), prints past `output_bytes`, answers past
-`max_message` bytes or out of turn, and then this case and the remaining ones fail with the reason.
+`max_message` bytes or out of turn, and then this case and the remaining ones fail with the reason -- once a
+hidden test has started, one reason whatever happened (HIDDEN_LOSS).
 """
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ _BYE_S = 5.0
 #: Seconds the student's process may take to start (our code only: Python, labkit, the sandbox) before the
 #: exercise's own clock starts; a busy machine must not eat a student's time.
 STARTUP_S = 180.0
+#: The one reason a lost process gets once a hidden test has sent it anything (issue #39): died, hung, printed
+#: or answered too much, broke the channel -- the same words, so the kind of loss cannot encode a hidden input.
+HIDDEN_LOSS = ("the exercise's process stopped during a hidden test (it died, ran out of memory or past its "
+               "time, printed or returned too much); killed: run the visible tests (ex.check) and look for a crash, "
+               "an endless loop or a rank that waits for a collective that never comes")
 
 
 @dataclass(frozen=True)
@@ -200,6 +206,15 @@ class RemoteStudent(Student):
         message = answer.get("message") if type(answer) is dict else None
         return str(message)[:300] if message else "the exercise cell could not be loaded"
 
+    def _ask(self, request: dict, label: str, returns):
+        try:
+            return super()._ask(request, label, returns)
+        except StudentGone:
+            if self.channel.reveal:
+                raise
+            self.gone = HIDDEN_LOSS  # whatever happened, in the same words (HIDDEN_LOSS)
+            raise StudentGone(HIDDEN_LOSS) from None
+
     def _exchange(self, request: dict) -> object:
         if self.gone:
             raise StudentGone(self.gone)
@@ -213,14 +228,14 @@ class RemoteStudent(Student):
 
 def judge(exercise: str, sources: list[str], cases: list[Case], *, timeout_s: float, memory_bytes: int,
           output_bytes: int, isolation=None, private: tuple = (), kernel: str = "labkit",
-          max_message: int = wire.MAX_BYTES) -> list[VariantResult]:
+          max_message: int = wire.MAX_BYTES, cache: dict | None = None) -> list[VariantResult]:
     """Run `cases` (visible first) on each source variant; one VariantResult per variant, never raises for
     what the student's code does. A lost process's output and exit code are named only while no hidden case
-    has sent it anything."""
+    has sent it anything. `cache`: the references of this run (student.reference), kept for the caller."""
     cases = sorted(cases, key=lambda c: c.hidden)
     options = dict(timeout_s=timeout_s, memory_bytes=memory_bytes, output_bytes=output_bytes, isolation=isolation,
                    private=private, kernel=kernel, max_message=max_message)
-    cache: dict = {}
+    cache = {} if cache is None else cache
     channel: Channel | None = None
     out = []
     try:

@@ -120,3 +120,78 @@ def solution_lines(source: str) -> list[str]:
     for begin, end in regions(source):
         out += [line for line in lines[begin + 1:end] if line.strip()]
     return out + [line for line in lines if ONE_LINE_ANSWER.match(line)]
+
+
+_LOAD_SAFE_DECORATORS = {"staticmethod", "classmethod", "property"}
+
+
+def _literal(node) -> bool:
+    try:
+        ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return True
+
+
+def _plain_name(node) -> bool:
+    """A name, a dotted name, a literal, or a subscript / union / tuple of those (an annotation, a default)."""
+    if node is None or _literal(node) or isinstance(node, ast.Name):
+        return True
+    if isinstance(node, ast.Attribute):
+        return _plain_name(node.value)
+    if isinstance(node, ast.Subscript):
+        return _plain_name(node.value) and _plain_name(node.slice)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return _plain_name(node.left) and _plain_name(node.right)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Pow, ast.Mult)):  # 2**20, 4 * 2**10: small ints
+        sides = (node.left, node.right)
+        return all(isinstance(x, ast.Constant) and type(x.value) is int and 0 <= x.value <= 64 for x in sides) or \
+            (isinstance(node.op, ast.Mult) and all(_plain_name(x) for x in sides))
+    return isinstance(node, ast.Tuple) and all(_plain_name(e) for e in node.elts)
+
+
+def _raises_not_implemented(body: list) -> bool:
+    """The body's first statement after a docstring is `raise NotImplementedError(...)` (the rest never runs)."""
+    body = body[1:] if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else body
+    if not body or not isinstance(body[0], ast.Raise) or body[0].exc is None:
+        return False
+    exc = body[0].exc.func if isinstance(body[0].exc, ast.Call) else body[0].exc
+    return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
+
+
+def _inert(node) -> bool:
+    """Loading `node` runs no code of the student's: imports of installed modules, literal constants, plain
+    definitions (their bodies run only when called)."""
+    import importlib.util
+
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+        return all(n and not getattr(node, "level", 0) and importlib.util.find_spec(n.split(".")[0]) is not None
+                   for n in names)
+    if isinstance(node, ast.Expr):
+        return isinstance(node.value, ast.Constant)
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        return node.value is not None and _literal(node.value)
+    decorators = all(isinstance(d, ast.Name) and d.id in _LOAD_SAFE_DECORATORS
+                     for d in getattr(node, "decorator_list", ()))
+    if isinstance(node, ast.ClassDef):
+        return (decorators and not node.keywords and all(_plain_name(b) for b in node.bases)
+                and all(_inert(n) for n in node.body))
+    if isinstance(node, ast.FunctionDef):
+        a = node.args
+        annotations = [x.annotation for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x]
+        return decorators and all(_plain_name(x) for x in (*a.defaults, *a.kw_defaults, *annotations, node.returns))
+    return isinstance(node, ast.Pass)
+
+
+def untouched_stub(source: str, exercise: str) -> bool:
+    """True when the cell is still the release's stub of `exercise`: its function starts with (a docstring and)
+    `raise NotImplementedError(...)`, and loading the cell runs nothing but imports of installed modules,
+    literal constants and definitions. Such a cell is 'not attempted' without starting a process for it
+    (issue #39: `labkit check` on a fresh notebook)."""
+    try:
+        tree = ast.parse(to_python(source))
+    except SyntaxError:
+        return False
+    fns = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == exercise]
+    return len(fns) == 1 and _raises_not_implemented(fns[0].body) and all(_inert(n) for n in tree.body)

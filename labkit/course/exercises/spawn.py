@@ -368,9 +368,13 @@ def spawn(fn: Callable, world: int = 2, args: tuple = (), timeout: float = DEFAU
             raise ExerciseError(f"spawn({name}, world={world}) was still running after {timeout:g} s and was "
                                 "killed: a rank waits for a collective another rank never calls, or loops forever")
         if failed is not None:
-            # The rank whose error was written first is the cause; the others then lost their peer.
+            # The rank whose own failure came first is the cause; the others then lost their peer (rank_errors).
+            from labkit.course.exercises.rank_errors import first_cause
+
             errors = sorted(work.glob("error_*.pkl"), key=lambda f: f.stat().st_mtime_ns)
-            first = int(errors[0].stem.split("_")[1]) if errors else failed
+            first = first_cause(work, [p.returncode for p in procs])
+            if first is None:
+                first = int(errors[0].stem.split("_")[1]) if errors else failed
             raise _rank_error(first, work, procs[first].returncode)
         out = _tail(work / "rank_0.log")
         if out:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Union
 
 from labkit.errors import ConfigError
 from labkit.course.grading.evidence import CheckFailed, Evidence, cell_number, code_cells, error_of
+from labkit.course.grading.factors import factor_hint
 
 Outcome = tuple[bool, str]
 Number = Union[float, Callable[[Evidence], float]]
@@ -28,6 +29,8 @@ class CheckResult:
     passed: bool
     visible: bool
     message: str
+    todo: bool = False
+    """Not answered yet (the release's `None`): TODO, not FAIL (issue #39)."""
 
 
 @dataclass(frozen=True)
@@ -52,15 +55,31 @@ class Check:
 
     def run(self, evidence: Evidence) -> CheckResult:
         """Evaluate on `evidence`; a crash inside the check is a failed check, never a crashed batch."""
+        todo = False
         try:
             passed, message = self.fn(evidence)
+        except Unanswered as exc:
+            passed, message, todo = False, str(exc), True
         except CheckFailed as exc:
             passed, message = False, str(exc)
         except Exception as exc:  # noqa: BLE001 - submissions hold anything; report, don't die
             passed, message = False, f"could not evaluate ({type(exc).__name__}: {exc})"[:400]
         passed = bool(passed)
         return CheckResult(self.name, float(self.points), float(self.points) if passed else 0.0,
-                           passed, self.visible, str(message))
+                           passed, self.visible, str(message), todo)
+
+
+class Unanswered(CheckFailed):
+    """The answer is still the release's None: the check is TODO, not failed."""
+
+
+def answered(ev: Evidence, key: str):
+    """ev.answer(key), after Unanswered (a TODO) when it is still None."""
+    value = ev.answer(key)
+    if value is None:
+        raise Unanswered(f"answer {key!r} is not written yet: replace the None in the cell that records it "
+                         f"(R.answer({key!r}, ...)) with your answer and run it")
+    return value
 
 
 def _value(ref: Number, ev: Evidence) -> float:
@@ -106,14 +125,16 @@ def answer_close(name: str, points: float, key: str, reference: Number, *, rtol:
     A visible check never prints the reference (`labkit check` would hand out the answer); a hidden
     one's message, which only the instructor sees, does."""
     def fn(ev: Evidence) -> Outcome:
-        got = _number(ev.answer(key), f"answer {key!r}")
+        got = _number(answered(ev, key), f"answer {key!r}")
         ref = _value(reference, ev)
         ok = abs(got - ref) <= atol + rtol * abs(ref)
         rel = f"within {rtol:.0%}" if atol == 0 else f"within {rtol:.0%} + {atol:g}"
         if ok:
             return True, f"answer {key!r} = {got:g} is {rel} of labkit's value"
         shown = "" if visible else f" {ref:g}"
-        return False, f"answer {key!r} = {got:g} is not {rel} of labkit's value{shown}; recheck the calculation"
+        hint = factor_hint(got, ref)  # a known factor off (N, (N-1)/N, 2, 4, GB vs GiB): say which
+        return False, (f"answer {key!r} = {got:g} is not {rel} of labkit's value{shown}; "
+                       + (hint if hint else "recheck the calculation"))
     return Check(name, points, fn, "answer_close", visible, (("answer", key),))
 
 
@@ -123,7 +144,7 @@ def answer_equals(name: str, points: float, key: str, expected: Any, *, visible:
     norm = (lambda v: " ".join(v.lower().split()) if isinstance(v, str) else v)  # noqa: E731
 
     def fn(ev: Evidence) -> Outcome:
-        got = ev.answer(key)
+        got = answered(ev, key)
         if norm(got) == norm(expected(ev) if callable(expected) else expected):
             return True, f"answer {key!r} = {got!r} is right"
         return False, f"answer {key!r} = {got!r} is not the expected answer; revisit the exercise"

@@ -2,7 +2,7 @@
 
 Expected values are computed here, in the grader's process (`reference`): the mean or the sum of what each
 rank's data gives, never where the student's code runs."""
-from labkit.course.exercises import Tensor, case, reference
+from labkit.course.exercises import List, Tensor, case, close, reference
 
 #: What the hidden tests vary, per exercise: `ex.check` and `labkit check` show this line, nothing else.
 VARIES = {
@@ -32,9 +32,14 @@ MUTANTS = {
         ("                p.grad.copy_(part.view_as(p.grad))", "                pass",
          "copy the averaged values back into each .grad"),
         ("dist.all_reduce(flat, group=group, async_op=True)", "dist.all_reduce(flat, async_op=True)"),
+        # a mistake of timing (issue #39): its own message, not "copy the averaged values back"
+        ("            work.wait()\n", "", "never waited on"),
         ("        if p.requires_grad:", "        if True:"),
     ],
     "ring_allreduce": [
+        # the ring walked the wrong way for the receives (issue #39: rank 0's abort and its fix, not a peer's reset)
+        ("right, left = peers[(rank + 1) % world], peers[(rank - 1) % world]",
+         "left, right = peers[(rank + 1) % world], peers[(rank - 1) % world]", "walk the ring one way"),
         ("send_i, recv_i = (rank - step) % world, (rank - step - 1) % world",
          "send_i, recv_i = (rank + step) % world, (rank + step - 1) % world",
          "the chunk index walks the wrong way around the ring"),
@@ -77,9 +82,7 @@ def _mean_grads(ranks):
 
 
 def _same(got: dict, want: dict) -> bool:
-    import torch
-
-    return set(got) == set(want) and all(torch.allclose(got[k], want[k], rtol=1e-5, atol=1e-6) for k in want)
+    return close(got, want, rtol=1e-5, atol=1e-6)  # keys, shapes and dtypes first: no broadcasting
 
 
 GRADS = {str: Tensor("float32")}
@@ -129,7 +132,7 @@ def _overlap_harness(rank, world, overlap_gradient_averaging):
 
 @case("overlap_gradient_averaging", points=2)
 def a_subgroup_one_byte_and_one_gib_buckets(student):
-    runs = student.spawn(_overlap_harness, world=3, returns=[{"grads": GRADS, "during": int, "total": int}])
+    runs = student.spawn(_overlap_harness, world=3, returns=List({"grads": GRADS, "during": int, "total": int}, 2))
     for rank, (small, big) in enumerate(runs):
         members = [0, 1] if rank < 2 else [2]
         assert _same(small["grads"], reference(_mean_grads, members)), f"rank {rank}: subgroup gradients"
@@ -179,8 +182,8 @@ def float64_a_group_a_short_tensor_and_the_bytes_sent(student):
                                                          "small": Tensor("float64", (4,)),
                                                          "pair": Tensor("float64", (5,))})
     for rank, got in enumerate(out):
-        assert torch.allclose(got["big"], reference(_sums, [0, 1, 2], 3000), atol=1e-12), f"rank {rank}: 3000"
-        assert torch.allclose(got["small"], reference(_sums, [0, 1, 2], 4), atol=1e-12), f"rank {rank}: 4"
+        assert close(got["big"], reference(_sums, [0, 1, 2], 3000), atol=1e-12), f"rank {rank}: 3000"
+        assert close(got["small"], reference(_sums, [0, 1, 2], 4), atol=1e-12), f"rank {rank}: 4"
         assert got["sent"] == 2 * 2 * 1000 * 8, f"rank {rank} sent {got['sent']} B, 2 (N-1)/N x 24000 = 32000"
         if rank > 0:
-            assert torch.allclose(got["pair"], reference(_sums, [1, 2], 5), atol=1e-12), f"rank {rank}: group [1, 2]"
+            assert close(got["pair"], reference(_sums, [1, 2], 5), atol=1e-12), f"rank {rank}: group [1, 2]"
