@@ -79,7 +79,9 @@ def test_check_finds_the_visible_tests_and_says_what_the_hidden_ones_vary(tests_
     assert "square: 3/3 tests pass" in out
     assert "PASS small_numbers (2 pts)" in out and "PASS on_two_ranks (1 pt)" in out
     assert "not_mine" not in out
-    assert "+ 1 hidden test (3 pts) when your instructor grades: they vary other magnitudes" in out
+    # tests/hidden/ beside the visible tests is a learner's own copy (`make student`): its hidden tests are theirs
+    assert ("+ 1 hidden test (3 pts) in your copy's tests/hidden/ (`labkit check` runs them): "
+            "they vary other magnitudes") in out
     assert "SECRET" not in out and "secret" not in out and "12345" not in out
 
 
