@@ -274,3 +274,17 @@ def test_the_slowest_stage_sets_the_slot_and_only_the_last_runs_the_head():
         perf_model._compute(bloom.spec(), middle, bloom.seq, 6, perf_model._rates(bloom.gpu, middle, A100), head=False).matmul)
     with pytest.raises(ConfigError, match="pp_partition"):
         perf_model.Layout(dp=1, tp=1, pp=2, micro_batch=1, microbatches=4, pp_partition="parameters")
+
+
+def test_interleaved_megatron_syncs_each_chunk_behind_the_later_chunks_backwards():
+    # GPT-3 175B, NeMo's 128-GPU layout: tp 4, pp 8, dp 4 across nodes, distributed optimizer (ZeRO-1)
+    spec = next(r for r in RUNS if r.id == "nemo-gpt3-175b-128").spec()
+    kw = dict(seq=2048, gpu="h100-sxm", gpus_per_node=8, efficiency=hardware.default_efficiency("h100-sxm"))
+    base = dict(dp=4, tp=4, pp=8, micro_batch=1, microbatches=64, zero=1, sequence_parallel=True)
+    flat, chunked = (perf_model.step_time(spec, perf_model.Layout(**base, interleave=v), **kw) for v in (1, 6))
+    assert chunked.dp_total_s == pytest.approx(flat.dp_total_s)  # the same bytes on the same link
+    # chunks 5..1 hide behind the following chunks' backwards; chunk 0 is exposed as without interleaving
+    assert flat.dp_s / 6 < chunked.dp_s < 0.6 * flat.dp_s
+    deep = perf_model.Layout(**{**base, "zero": 0, "dp_overlap": False}, interleave=6)
+    assert perf_model.step_time(spec, deep, **kw).dp_s == pytest.approx(
+        perf_model.step_time(spec, deep, **kw).dp_total_s)  # no overlap switch: all of it exposed
