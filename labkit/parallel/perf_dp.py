@@ -19,7 +19,8 @@ Overlap: a layer's collective runs while the neighbouring layer computes (prefet
 layer only max(0, comm - compute) is exposed, plus the first layer's gather that nothing precedes, plus the
 share (1 - overlap efficiency) of the overlapped time that contention for SMs and HBM takes back. The
 per-GPU micro-batch shrinks as dp grows at a fixed global batch, so the same bytes meet less compute.
-`dp_overlap=False` (Megatron-LM before 2023) exposes the once-per-step collectives entirely.
+`dp_overlap=False` (Megatron-LM before 2023) exposes the once-per-step collectives entirely. On an interleaved
+Megatron pipeline the once-per-step collectives run chunk by chunk behind the later chunks' compute (`_per_chunk`).
 
 Link: the slowest of the group. A group inside one node runs on NVLink; a group that spans nodes runs at the
 inter-node bandwidth PER GPU (its ring crosses a NIC at every node boundary). Ranks are placed in
