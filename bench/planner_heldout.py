@@ -85,12 +85,7 @@ def scaling(errs: list[dict]) -> None:
     grows")? The least-squares slope of log(predicted / published) on sqrt(2 ln N), N the GPUs: a straggler
     term max-of-N over a per-GPU step jitter sigma would remove a slope of sigma (E[max of N normals] ~
     sigma sqrt(2 ln N)). Fitted on the calibration rows, judged on the held-out ones."""
-    def slope(part: list[dict]) -> float:
-        xs = [math.sqrt(2 * math.log(e["gpus"])) for e in part]
-        ys = [math.log(1 + e["rel_err"]) for e in part]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-
+    slope = calibration.gpu_count_slope
     counted = [e for e in errs if e["counts"]]
     cal = [e for e in counted if e["status"] == "calibration"]
     held = [e for e in counted if e["status"] == "held_out"]
