@@ -15,6 +15,7 @@ Python, ~1 minute on one core.
 from __future__ import annotations
 
 import argparse
+import math
 import tempfile
 import time
 
@@ -79,6 +80,22 @@ def search(rows) -> None:
           f"{sum(top3)}/{len(top3)}")
 
 
+def scaling(errs: list[dict]) -> None:
+    """Does the model's error grow with the GPU count (issue 42: "nothing slows a step as data parallelism
+    grows")? The least-squares slope of log(predicted / published) on sqrt(2 ln N), N the GPUs: a straggler
+    term max-of-N over a per-GPU step jitter sigma would remove a slope of sigma (E[max of N normals] ~
+    sigma sqrt(2 ln N)). Fitted on the calibration rows, judged on the held-out ones."""
+    slope = calibration.gpu_count_slope
+    counted = [e for e in errs if e["counts"]]
+    cal = [e for e in counted if e["status"] == "calibration"]
+    held = [e for e in counted if e["status"] == "held_out"]
+    explained = [e for e in held if abs(e["rel_err"]) <= 0.2]
+    s = slope(cal)
+    print(f"\nerror vs GPU count: slope of log(pred / pub) on sqrt(2 ln N) -- calibration {s:+.4f} "
+          f"(a per-GPU jitter sigma of {s:.1%}: {s * (math.sqrt(2 * math.log(8192)) - math.sqrt(2 * math.log(256))):.1%} "
+          f"from 256 to 8192 GPUs); held-out {slope(held):+.4f}, held-out within 20 % {slope(explained):+.4f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-cv", action="store_true", help="skip the leave-one-source-out cross-validation")
@@ -98,6 +115,7 @@ def main() -> None:
             print(_row(e))
         print(_summary(status, part))
         _why(part, rows)
+    scaling(errs)
     if not args.no_cv:
         print("\nleave-one-source-out: refit without the source, predict all its rows")
         cv = calibration.leave_one_source_out(rows)

@@ -133,3 +133,15 @@ def summary(errs: list[dict]) -> dict:
     median = counted[mid] if len(counted) % 2 else (counted[mid - 1] + counted[mid]) / 2
     return {"rows": len(counted), "within_20": sum(c <= 0.2 for c in counted), "median": median,
             "worst": counted[-1]}
+
+
+def gpu_count_slope(errs: list[dict]) -> float:
+    """Least-squares slope of log(predicted / published) on sqrt(2 ln N), N a row's GPUs (`errors()` rows).
+
+    A straggler term -- every step waits for the slowest of N GPUs, each with a per-GPU step jitter sigma, and
+    E[max of N normals] ~ sigma sqrt(2 ln N) -- would take out a slope of sigma; a slope near 0 says the rows
+    show no slowdown with scale that the model misses (issue 42, docs/model_parallel.md)."""
+    xs = [math.sqrt(2 * math.log(e["gpus"])) for e in errs]
+    ys = [math.log(1 + e["rel_err"]) for e in errs]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)

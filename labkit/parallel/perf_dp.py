@@ -19,7 +19,8 @@ Overlap: a layer's collective runs while the neighbouring layer computes (prefet
 layer only max(0, comm - compute) is exposed, plus the first layer's gather that nothing precedes, plus the
 share (1 - overlap efficiency) of the overlapped time that contention for SMs and HBM takes back. The
 per-GPU micro-batch shrinks as dp grows at a fixed global batch, so the same bytes meet less compute.
-`dp_overlap=False` (Megatron-LM before 2023) exposes the once-per-step collectives entirely.
+`dp_overlap=False` (Megatron-LM before 2023) exposes the once-per-step collectives entirely. On an interleaved
+Megatron pipeline the once-per-step collectives run chunk by chunk behind the later chunks' compute (`_per_chunk`).
 
 Link: the slowest of the group. A group inside one node runs on NVLink; a group that spans nodes runs at the
 inter-node bandwidth PER GPU (its ring crosses a NIC at every node boundary). Ranks are placed in
@@ -116,14 +117,47 @@ def _stage012(lay, m: int, layers: int, gather: float, scatter: float, f: float,
     """(exposed, total) seconds of DDP / ZeRO-1 / ZeRO-2 traffic per step."""
     if lay.zero == 0:
         total = layers * 2 * scatter  # all-reduce = reduce-scatter + all-gather
+        if lay.dp_overlap and _chunked(lay):
+            return _per_chunk(lay, layers, 2 * scatter, b), total
         return (layers * exposed_behind(2 * scatter, b) if lay.dp_overlap else total), total
     param_gather = layers * gather  # updated parameters, once per step
     if lay.zero == 1:
         total = layers * scatter + param_gather
         if not lay.dp_overlap:
             return total, total
+        if _chunked(lay):
+            return _per_chunk(lay, layers, scatter, b) + _per_chunk(lay, layers, gather, f) + gather, total
         return layers * (exposed_behind(scatter, b) + exposed_behind(gather, f)) + gather, total
     total = m * layers * scatter + param_gather  # ZeRO-2: the gradients are reduced every micro-batch
     if not lay.dp_overlap:
         return total, total
     return m * layers * exposed_behind(scatter, b) + layers * exposed_behind(gather, f) + gather, total
+
+
+def _chunked(lay) -> bool:
+    """Megatron-LM's interleaved schedule syncs each model chunk's gradients (and gathers its parameters) on
+    its own, as soon as that chunk's last backward (before its first forward) is done."""
+    return lay.pp > 1 and lay.interleave > 1 and lay.pipeline_engine == "megatron"
+
+
+def _per_chunk(lay, layers: int, comm_s: float, compute_s: float) -> float:
+    """Exposed seconds of a once-per-step collective (`comm_s` per layer) on an interleaved Megatron pipeline.
+
+    Megatron-core's interleaved 1F1B runs the last pp micro-batches' backwards chunk by chunk, deepest first
+    (chunk v-1, then v-2, ... 0 on the first stage), and launches a chunk's gradient reduce-scatter (its
+    `grad_sync_func`) when that chunk's last backward ends; chunk k's sync therefore runs behind the k x pp
+    chunk backwards that follow it. The parameter all-gather mirrors it at the next step's start (chunk 0's
+    forwards first; `param_sync_func`). Queued on one stream: chunk k (k >= 1) starts when it is ready and
+    the previous one is done, whatever outruns the last backward is exposed; chunk 0 overlaps only its own
+    last micro-batch, layer by layer, as without interleaving; the overlapped part pays the contention share
+    (`overlap_efficiency`) like every overlapped collective. `compute_s`: one layer of one micro-batch."""
+    v, pp = lay.interleave, lay.pp
+    per_chunk = layers / v
+    chunk_comm, slot = per_chunk * comm_s, per_chunk * compute_s * pp  # pp chunk passes between two chunks
+    done = float("-inf")
+    for k in range(v - 1, 0, -1):  # chunk k ready k x slot before the last chunk-0 pass ends
+        done = max(done, -k * slot) + chunk_comm
+    backlog = max(0.0, done)
+    hidden = (v - 1) * chunk_comm - backlog
+    contention = (1 - hardware.CONSTANTS["overlap_efficiency"]) * max(0.0, hidden)
+    return backlog + contention + per_chunk * exposed_behind(comm_s, compute_s)
