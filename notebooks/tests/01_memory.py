@@ -142,12 +142,17 @@ def sgd_momentum_in_bf16_counts_two_bytes_an_element(student):
     import torch
 
     model = _mlp(32, 16, dtype=torch.bfloat16)
+    model[0].bias.requires_grad_(False)  # a frozen parameter: no .grad, no momentum_buffer
     n = sum(p.numel() for p in model.parameters())
+    k = n - model[0].bias.numel()  # the trainable elements
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     got = student.call(model, opt, torch.randn(5, 32, dtype=torch.bfloat16), returns=STATES)
     if got["weights"] == 4 * n:
         raise AssertionError(f"weights: got {4 * n:,} B for {n:,} bf16 parameters, expected {2 * n:,}: a tensor holds "
                              "numel() x element_size() bytes, and element_size() is 2 for bf16")
     _assert_part(got, "weights", 2 * n, f"2 B x {n:,} bf16 parameters")
-    _assert_part(got, "grads", 2 * n, "bf16 grads, 2 B each")
-    _assert_part(got, "optimizer", 2 * n, "SGD's momentum_buffer, in the parameters' bf16")
+    if got["grads"] == 2 * n:
+        raise AssertionError(f"grads: got {2 * n:,} B, expected {2 * k:,}: the bias is frozen (requires_grad False); "
+                             "a frozen parameter has no .grad: count p.grad only where it is not None")
+    _assert_part(got, "grads", 2 * k, "bf16 grads, 2 B each, none for the frozen bias")
+    _assert_part(got, "optimizer", 2 * k, "SGD's momentum_buffer, in the parameters' bf16, none for the frozen bias")

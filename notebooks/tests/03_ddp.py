@@ -362,6 +362,8 @@ def _ring_problem(rank, world, n, got) -> str:
     where = (f"rank {rank} of {world} holds {float(got[i]):g} at element {i} where all_reduce gives "
              f"{float(want[i]):g} (each digit counts one rank's contribution; length {n}, chunks "
              f"{[len(c) for c in torch.tensor_split(want, world)]})")
+    if torch.equal(got, _ring_input(rank, n)):
+        return f"{where}: the tensor is unchanged: sum in place, into views of tensor.view(-1), not copies"
     for mistake, fix in RING_MISTAKES:
         if torch.equal(got, reference(_simulated_ring, world, n, **mistake)[rank]):
             return f"{where}: {fix}"

@@ -4,7 +4,7 @@ The student's LoRA runs in a harness on the student's side and returns its outpu
 LoRA on the same Linear, with the same A and B, runs here (`reference`). The quantizer returns its codes
 and absmax; the docstring's formula and bitsandbytes' NF4 are computed here.
 """
-from labkit.course.exercises import ANY, Tensor, case, reference
+from labkit.course.exercises import ANY, Either, Tensor, case, reference
 
 # ---------------------------------------------------------------- lora_linear
 
@@ -106,6 +106,10 @@ def _check_fresh(student, seed, d_in, d_out, r, alpha, shape, bias=True):
         raise AssertionError(f"{got['trainable']:,} trainable parameters, expected {lora:,} = r (d_in + d_out), "
                              f"as peft trains {want['trainable']:,}: freeze the base weight and bias "
                              "(base.requires_grad_(False))")
+    if bias and got["trainable"] == lora + d_out:
+        raise AssertionError(f"{got['trainable']:,} trainable parameters, expected {lora:,} = r (d_in + d_out): the "
+                             f"base's bias ({d_out}) still trains; freeze the bias too, not only the weight "
+                             "(base.requires_grad_(False) freezes both)")
     assert got["trainable"] == lora, (f"{got['trainable']:,} trainable parameters, expected {lora:,} = r (d_in + "
                                       "d_out): only A and B train; freeze the base weight and bias")
     assert got["B_absmax"] == 0.0, (f"at init max |B| = {got['B_absmax']:.3g}: initialise B to zeros, so that "
@@ -149,6 +153,10 @@ def output_and_gradients_match_peft_on_3d_inputs(student):
 # ---------------------------------------------------------------- absmax_quantize_4bit
 
 
+#: The dtypes absmax may come back in, so that a wrong one gets its own message.
+FLOATS = ("float32", "bfloat16", "float16", "float64")
+
+
 def _weights(seed, shape, scale=1.0):
     import torch
 
@@ -166,8 +174,12 @@ def _nf4_error(seed, shape, block):
 
 def _quantized(student, w, block):
     """The student's (codes, absmax) of `w`, their dtypes and shapes checked with messages that say why."""
-    codes, absmax = student.call(w, block=block, returns=(Tensor("int8"), Tensor("float32")))
+    import torch
+
+    codes, absmax = student.call(w, block=block, returns=(Tensor("int8"), Either(*map(Tensor, FLOATS))))
     n = w.numel()
+    assert absmax.dtype == torch.float32, (f"absmax is {str(absmax.dtype)[6:]} for a {str(w.dtype)[6:]} w: compute "
+                                           "it in fp32 (w.float()): one fp32 constant per block, whatever w's dtype")
     assert tuple(codes.shape) == (n,), (f"codes have shape {tuple(codes.shape)}, expected ({n},): one code per "
                                         "element of w.flatten()")
     assert tuple(absmax.shape) == (n // block,), (
@@ -226,10 +238,10 @@ def codes_and_absmax_follow_the_formula(student):
 
 @case("absmax_quantize_4bit", points=2)
 def blocks_of_32_and_an_all_zero_block(student):
-    w = _weights(1, (4, 32), scale=3.0)
+    w = _weights(1, (4, 32), scale=3.0).bfloat16()  # bf16 weights, as a model is loaded: absmax still fp32
     w[1] = 0.0  # a whole block of zeros: codes 0, not NaN
     codes, absmax = _quantized(student, w, 32)
-    blocks = w.reshape(-1, 32)
+    blocks = w.float().reshape(-1, 32)
     _check_absmax(absmax, blocks)
     assert not bool(absmax.isnan().any()), "absmax holds NaN"
     _check_codes(codes, absmax, blocks)

@@ -244,6 +244,16 @@ def _gpipe_single(seed, microbatches, batch):
     return {"loss": float(loss.detach()), "grads": [p.grad for p in model.parameters()]}
 
 
+def _gpipe_last_alone(seed, microbatches, batch):
+    """REFERENCE (grader): the gradients of the last micro-batch's loss / m alone (a zero_grad inside the loop)."""
+    import torch
+
+    model = _gpipe_model(seed)
+    x, t = (d.chunk(microbatches)[-1] for d in _gpipe_data(seed, batch))
+    (torch.nn.functional.mse_loss(model(x), t) / microbatches).backward()
+    return [p.grad for p in model.parameters()]
+
+
 def _gpipe_yours(rank, world, gpipe_step, seed, microbatches, batch):
     """HARNESS (student's ranks): stage `rank` = layers 2 rank .. 2 rank + 1 of the model; the loss it
     returned, its parameters' gradients, and the order in which its forwards and backwards ran."""
@@ -281,11 +291,12 @@ GPIPE_ERRORS = {"'NoneType' object has no attribute 'contiguous'":
 def gpipe_loss_and_grads_equal_one_device_on_3_stages(student):
     spec = {"loss": float | None, "grads": [ANY], "events": [[ANY]]}
     got = _explained(lambda: student.spawn(_gpipe_yours, world=WORLD, args=GPIPE, returns=spec), GPIPE_ERRORS)
-    check_gpipe(got, reference(_gpipe_single, *GPIPE), *GPIPE[1:])
+    check_gpipe(got, reference(_gpipe_single, *GPIPE), *GPIPE[1:], alone=reference(_gpipe_last_alone, *GPIPE))
 
 
-def check_gpipe(got, want, m, batch, world=WORLD):
-    """The loss (last stage only, the sum of the micro-batches' loss / m), every stage's gradients, the order."""
+def check_gpipe(got, want, m, batch, world=WORLD, alone=None):
+    """The loss (last stage only, the sum of the micro-batches' loss / m), every stage's gradients, the order;
+    `alone`: the gradients of the last micro-batch alone, to name a zero_grad inside the micro-batch loop."""
     last = got[-1]["loss"]
     for rank, mine in enumerate(got[:-1]):
         assert mine["loss"] is None, (f"stage {rank} of {world} returned {mine['loss']!r}: only the last stage "
@@ -310,6 +321,10 @@ def check_gpipe(got, want, m, batch, world=WORLD):
             if g is not None and float(g.abs().max()) == 0 and rank < world - 1:
                 raise AssertionError(f"{problem}, all zeros: every stage r > 0 sends x.grad of each micro-batch "
                                      "back to rank r - 1, which backpropagates it with y.backward(grad)")
+            if g is not None and alone is not None and _grad_problem(g, alone[2 * rank + i], "") is None:
+                raise AssertionError(f"{problem}: it is the last micro-batch's alone: gradients accumulate over the "
+                                     "micro-batches in the stage's parameters; don't zero them (zero_grad) per "
+                                     "micro-batch")
             if g is not None and abs(_ratio(g, ref) - m) < 1e-3:
                 raise AssertionError(f"{problem}: divide each micro-batch's loss by microbatches ({m})")
             raise AssertionError(f"{problem}: run every micro-batch's forward and backward through the stage; "

@@ -217,6 +217,11 @@ def check_fix(student, cfg, capacity, want):
                                           f"above {capacity / 1e9:g} GB: it still does not fit")
     if not want:
         assert not changed, f"{label} changed {changed}: it already fits, return cfg itself"
+    applied, wanted = [k for k in LEVERS if k in changed], [k for k in LEVERS if k in want]
+    if len(wanted) > 1 and applied == wanted[-1:]:  # each lever built on cfg: only the last one survives
+        raise AssertionError(f"{label} changed {changed}, expected {want}: only the last lever ({applied[0]}) is "
+                             "left: keep each lever once applied, building on the config so far "
+                             "(cur = cur.replace(...), not cfg.replace(...))")
     for key, fix in LEVERS.items():
         if key in want and key not in changed:
             raise AssertionError(f"{label} changed {changed}, expected {want}: {fix} before accumulating")

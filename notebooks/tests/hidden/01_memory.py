@@ -31,6 +31,8 @@ MUTANTS = {
          "count every tensor in optimizer.state"),
         ("return t.numel() * t.element_size()", "return t.numel() * 4", "element_size() is 2 for bf16"),
         ("if p.grad is not None", "if True"),
+        ("sum(size(p.grad) for p in model.parameters() if p.grad is not None)",
+         "sum(size(p) for p in model.parameters())", "a frozen parameter has no .grad"),
     ],
 }
 

@@ -37,6 +37,8 @@ MUTANTS = {
         ("        if p.requires_grad:", "        if True:"),
     ],
     "ring_allreduce": [
+        ("chunks = list(torch.tensor_split(tensor.view(-1), world))",
+         "chunks = [c.clone() for c in torch.tensor_split(tensor.view(-1), world)]", "not copies"),
         # the ring walked the wrong way for the receives (issue #39: rank 0's abort and its fix, not a peer's reset)
         ("right, left = peers[(rank + 1) % world], peers[(rank - 1) % world]",
          "left, right = peers[(rank + 1) % world], peers[(rank - 1) % world]", "walk the ring one way"),

@@ -22,6 +22,8 @@ MUTANTS = {
         ("self.B = nn.Parameter(torch.zeros(base.out_features, r))",
          "self.B = nn.Parameter(torch.randn(base.out_features, r))", "initialise B to zeros"),
         ("self.base = base.requires_grad_(False)", "self.base = base", "freeze the base weight and bias"),
+        ("self.base = base.requires_grad_(False)", "self.base = base\n        base.weight.requires_grad_(False)",
+         "freeze the bias too"),
         ("nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))", "nn.init.zeros_(self.A)",
          "initialise A with nn.init.kaiming_uniform_"),
         ("self.A = nn.Parameter(torch.empty(r, base.in_features))",
@@ -34,6 +36,7 @@ MUTANTS = {
         ("reshape(-1, block)  # (n_blocks, block)", "reshape(-1, 64)", "reshape(-1, block)"),
         ("[:, None] * 7)", "[:, None] * 8)", "scale by 7"),
         ("blocks.abs().amax(dim=1)", "blocks.amax(dim=1)", "take the max of |w|"),
+        ("w.detach().float()", "w.detach()", "compute it in fp32"),
     ],
 }
 

@@ -44,6 +44,8 @@ MUTANTS = {
          "dist.send(torch.zeros_like(x.grad), dst=peer(rank - 1), group=group)", "sends x.grad of each micro-batch"),
         ("            x.requires_grad_()", "            pass", "x.requires_grad_()"),
         ("return total if last else None", "return total", "only the last stage returns the loss"),
+        ("    for x, y in saved:\n", "    for x, y in saved:\n        stage.zero_grad()\n",
+         "the last micro-batch's alone"),
         # `group` ignored: rank r of the group is taken for global rank r (issue #39: a test on ranks [1, 2])
         ("peer = lambda r: dist.get_global_rank(group, r) if group is not None else r", "peer = lambda r: r"),
     ],

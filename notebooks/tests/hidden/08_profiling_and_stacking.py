@@ -41,6 +41,7 @@ MUTANTS = {
         ('dict(precision="mixed-bf16") if cfg.precision == "fp32" else None', "None", "switch fp32 to mixed-bf16"),
         ("    raise ValueError(", "    return cur\n    ValueError(", "raise ValueError when even every lever"),
         ("        if fits(cur):\n            return cur\n", "", "stop at the first config that fits"),
+        ("cur = cur.replace(**change)", "cur = cfg.replace(**change)", "keep each lever once applied"),
     ],
 }
 
