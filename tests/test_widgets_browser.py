@@ -91,9 +91,12 @@ def page(tmp_path):
 
 
 def run_cell(page, base: str, token: str, notebook: str, marker: str):
-    """Open `notebook`, run the one cell whose code contains `marker` (JupyterLab queues it until the
-    kernel is up); returns the cell's output area."""
+    """Open `notebook`, wait for its kernel to be up, run the one cell whose code contains `marker`; returns the
+    cell's output area."""
     page.goto(f"{base}/lab/tree/{notebook}?token={token}")
+    # A keystroke that meets JupyterLab's kernel start-up can be lost (a loaded CI run lost 01's Ctrl+Enter):
+    # wait for the status bar's "Idle" first, a condition, as tests/test_grading_review_browser.py does.
+    page.locator(".jp-StatusBar-TextItem", has_text="| Idle").first.wait_for()
     cell = page.locator(".jp-CodeCell", has_text=marker).first
     cell.scroll_into_view_if_needed()
     cell.locator(".jp-InputArea-editor").click()
