@@ -118,6 +118,17 @@ def stream_text(cell) -> str:
     return "".join(out.get("text", "") for out in cell.get("outputs", []) if out.get("output_type") == "stream")
 
 
+def command_line(proc) -> str:
+    """`proc`'s command line, or "" when it has exited: a child can end between `children()` and this read
+    (seen in CI: accelerate's short-lived helper process), which must not fail the test that polls for ranks."""
+    import psutil
+
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def live_children() -> list:
     """This process's live descendants that a test may have left behind (zombies already reaped excluded).
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import live_children, stream_text
+from conftest import command_line, live_children, stream_text
 from labkit.course import exercises as ex
 
 TESTS = textwrap.dedent('''
@@ -232,7 +232,7 @@ def test_warm_ranks_are_forks_of_one_process_and_behave_like_fresh_ones():
     with spawn_module.warm_ranks():
         assert ex.spawn(_rank_count, world=2) == [2, 2]
         assert ex.spawn(_rank_count, world=3) == [3, 3, 3]  # a new group of another size: ranks are not reused
-        forkserver = [p for p in live_children() if "forkserver" in " ".join(p.cmdline())]
+        forkserver = [p for p in live_children() if "forkserver" in command_line(p)]
         assert len(forkserver) == 1, live_children()
         with pytest.raises(ex.ExerciseError, match=r"rank 1 raised ValueError: rank one is wrong") as info:
             ex.spawn(_rank_fails, world=2, timeout=60)
@@ -247,7 +247,7 @@ def test_warm_ranks_are_forks_of_one_process_and_behave_like_fresh_ones():
         assert ex.spawn(_already_imported, world=2, args=("xml.dom.minidom",),
                         imports=("xml.dom.minidom", "no_such_module_for_labkit")) == [True, True]
         assert ex.spawn(_already_imported, world=2, args=("xml.dom.minidom",)) == [True, True]
-        again = [p for p in live_children() if "forkserver" in " ".join(p.cmdline())]
+        again = [p for p in live_children() if "forkserver" in command_line(p)]
         assert len(again) == 1 and again[0].pid != forkserver[0].pid, live_children()
     assert spawn_module._WARM is None and live_children() == []
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import TESTS_DIR, live_children, stream_text
+from conftest import TESTS_DIR, command_line, live_children, stream_text
 from labkit import launch
 from labkit.errors import ConfigError, LaunchError
 
@@ -279,7 +279,7 @@ def test_killed_cli_leaves_no_rank(tmp_path):
     try:
         def ranks() -> list[psutil.Process]:
             return [c for c in psutil.Process(proc.pid).children(recursive=True)
-                    if launch.RANK_ENTRY in " ".join(c.cmdline())]
+                    if launch.RANK_ENTRY in command_line(c)]
         # >= 2: forked data-loader workers of a rank share its command line
         wait_for(lambda: len(ranks()) >= 2 or proc.poll() is not None, SLOW_S, "the CLI's ranks did not start")
         assert proc.poll() is None, (tmp_path / "cli.log").read_text()[-2000:]
@@ -300,7 +300,7 @@ def test_killed_caller_of_accelerate_launch_leaves_no_rank(tmp_path):
     try:
         def ranks() -> list[psutil.Process]:
             return [c for c in psutil.Process(proc.pid).children(recursive=True)
-                    if "labkit.parallel.accelerate_fsdp" in " ".join(c.cmdline())]
+                    if "labkit.parallel.accelerate_fsdp" in command_line(c)]
         # >= 3: accelerate launch itself (its command line names the module too) and two ranks
         wait_for(lambda: len(ranks()) >= 3 or proc.poll() is not None, SLOW_S, "accelerate's ranks did not start")
         assert proc.poll() is None, "the run ended before it could be killed"
