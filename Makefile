@@ -9,7 +9,7 @@ BUILD := build
 LOCK := requirements/lock.txt
 # torch/torchvision as locked; our CPU machines install this build from local disk.
 TORCH_PINS = $(shell grep -E '^torch(vision)?==' $(LOCK))
-# On a GPU node the wheel index follows the driver: labkit/cudadriver.py picks the newest CUDA build
+# On a GPU node the wheel index follows the driver: labkit/runtime/cudadriver.py picks the newest CUDA build
 # of the locked torch that the driver supports and that has kernels for every GPU (without a driver: the
 # CPU build, below). PyPI's torch 2.14 is a CUDA 13.0 build without Volta kernels: on a V100
 # node that is https://download.pytorch.org/whl/cu126 (driver >= 560.28.03); to choose it yourself,
@@ -18,7 +18,7 @@ TORCH_PINS = $(shell grep -E '^torch(vision)?==' $(LOCK))
 # build, said in one line, when CPU_INDEX cannot be reached (our CI machines reach PyPI only).
 TORCH_INDEX ?=
 CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-TORCH_INDEX_CMD = $(PYTHON) -I labkit/cudadriver.py --cpu-index $(CPU_INDEX)
+TORCH_INDEX_CMD = $(PYTHON) -I labkit/runtime/cudadriver.py --cpu-index $(CPU_INDEX)
 # What `make lab` can do on this OS (docs/self-study.md; macOS and WSL2 are untested here): Linux and WSL2
 # everything, macOS the labs on the CPU without DeepSpeed's CPU ops, native Windows nothing (use WSL2).
 UNAME_S := $(shell uname -s 2>/dev/null || echo Windows)
@@ -111,7 +111,9 @@ smoke: venv
 
 # The week before class, on any machine: every notebook as PROFILE's node runs it, on CPU (docs/gpu-node.md).
 PROFILE ?= a100x4
+# WARM=1: kernels forked from one that imported torch once, through the test suite's hook (tests/support/warmstart)
 rehearse: venv ds-ops
+	$(if $(filter 1,$(WARM)),LABKIT_TEST_HOOK=$(CURDIR)/tests/support:warmstart.hook LABKIT_WARM_KERNELS=1) \
 	$(BIN)/labkit notebooks run --profile $(PROFILE) --rehearse --out $(BUILD)/rehearsed/$(PROFILE)
 
 # The acceptance check for the first GPU (docs/gpu-node.md; labkit/course/gpu_check.py): under 8 minutes,

@@ -21,7 +21,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from labkit.models import build_model  # noqa: E402
+from labkit.zoo.models import build_model  # noqa: E402
 from labkit.train import run  # noqa: E402
 from labkit.train.api import make_config  # noqa: E402
 from labkit.train.data import StepLoader, build_datasets, make_task  # noqa: E402

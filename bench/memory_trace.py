@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from labkit import presets
+from labkit.zoo import presets
 
 SETUPS = {
     # MoE presets route tokens by value, which fake tensors cannot run: tests/test_moe.py measures tiny-moe

@@ -2,7 +2,7 @@
 
 A one-cell notebook that imports what every lab kernel imports (torch, transformers' Llama, matplotlib)
 runs `--kernels` times with cold kernels (LABKIT_WARM_KERNELS=0: `python -m ipykernel_launcher` each time)
-and `--kernels` times with warm ones (forked from labkit.course.warm_kernels' zygote), alternating, in one
+and `--kernels` times with warm ones (forked from warmstart.warm_kernels' zygote), alternating, in one
 run. CPU seconds are the kernels' (and, for warm, the zygote's one-off imports, shown apart), measured as
 this process's reaped children plus what the zygote reports; wall seconds are printed too.
 
@@ -24,12 +24,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", type=int, default=3)
     args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+    import warmstart
+
+    warmstart.install()  # the test suite's warm starts, through labkit's one seam (labkit.runtime.hooks)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MPLBACKEND", "Agg")
     import nbformat
 
     from labkit.course import notebooks as nbk
-    from labkit.course import warm_kernels
+    from warmstart import warm_kernels
 
     with tempfile.TemporaryDirectory(prefix="bench-warm-") as tmp:
         work = Path(tmp)

@@ -2,7 +2,7 @@
 
 A 2-rank gloo job that imports what labkit's ranks import (torch.distributed, transformers' Llama) and
 all-reduces once runs `--launches` times cold (torchrun and both ranks fresh interpreters, as for a student)
-and `--launches` times warm (forked from labkit.rank_zygote's zygote, as in `make test`), alternating, in one
+and `--launches` times warm (forked from warmstart.rank_zygote's zygote, as in `make test`), alternating, in one
 run. CPU seconds: this process's reaped children (torchrun, ranks, or their shims) plus, warm, what the
 zygotes used meanwhile (their own and their reaped forks'); the zygote's one-off imports are shown apart.
 
@@ -49,7 +49,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launches", type=int, default=3)
     args = parser.parse_args()
-    from labkit import launch, rank_zygote
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+    import warmstart
+
+    warmstart.install()  # the test suite's warm starts, through labkit's one seam (labkit.runtime.hooks)
+    from labkit.runtime import launch
+    from warmstart import rank_zygote
 
     folder = Path(tempfile.mkdtemp(prefix="labkit-bench-ranks-"))
     (folder / "bench_rank_job.py").write_text(JOB)

@@ -1,7 +1,7 @@
 """labkit: helpers for the course."""
-from labkit import quiet as _quiet
+from labkit.runtime import quiet as _quiet
 
-_quiet.install()  # third-party import noise a student cannot act on (labkit.quiet says which)
+_quiet.install()  # third-party import noise a student cannot act on (labkit.runtime.quiet says which)
 
 
 def _course_seal(payload: dict, text: str) -> dict:

@@ -36,7 +36,7 @@ class NeedsMoreGPUs(HardwareError):
 
 
 class RehearsalError(LabkitError, RuntimeError):
-    """A rehearsal (a GPU profile's notebook run on CPU, labkit.rehearsal) found what would fail on the node."""
+    """A rehearsal (a GPU profile's notebook run on CPU, labkit.runtime.rehearsal) found what would fail on the node."""
 
     def _render_traceback_(self) -> list[str]:
         return [f"{type(self).__name__}: {self}"]

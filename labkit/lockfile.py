@@ -10,7 +10,7 @@ week 12 on the CPU venv (`make lab`), the conda env of a GPU node (environment.y
   (a tool someone installed into the venv by hand);
 - the CUDA runtime of the torch build (nvidia-*, cuda-*, triton): each CUDA build of torch pins its
   own exactly, and a GPU node installs another build of the same torch (cu126, cu130, cu132:
-  labkit.cudadriver) whose runtime packages differ.
+  labkit.runtime.cudadriver) whose runtime packages differ.
 
 `labkit env` compares the running environment with the lock (`compare`); tests/test_packaging.py
 fails when the venv, environment.yml or the images disagree with it.

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from labkit import facts as F
 from labkit.errors import ConfigError
-from labkit.rehearsal import expect  # noqa: F401 - notebooks assert on measured values with R.expect
+from labkit.runtime.rehearsal import expect  # noqa: F401 - notebooks assert on measured values with R.expect
 
 MIME = "application/vnd.labkit+json"
 SCHEMA_VERSION = 2
@@ -77,7 +77,7 @@ class RunRecord:
     notes: dict[str, Any] = field(default_factory=dict)
     """Free-form notes nothing reads by name (and schema-1 `extra` keys no facts group knows)."""
     rehearsal: bool = False
-    """True for a rehearsal's stand-in run (`labkit.rehearsal`): not a measurement, never graded."""
+    """True for a rehearsal's stand-in run (`labkit.runtime.rehearsal`): not a measurement, never graded."""
     versions: dict[str, str] = field(default_factory=dict)
     timestamp: str = ""
     schema: int = SCHEMA_VERSION
@@ -220,7 +220,7 @@ def _publish(payload: dict[str, Any], text: str) -> None:
 def show(record: RunRecord, *, key: str | None = None) -> RunRecord:
     """Display `record` in a notebook: a short text line plus the full record as data for grading
     (a rehearsal's record says so on its line)."""
-    from labkit import rehearsal
+    from labkit.runtime import rehearsal
 
     payload = {"kind": "run", "key": key or record.strategy, "record": record.to_dict()}
     rehearsal.note_key(record.train.run_id, key or record.strategy)

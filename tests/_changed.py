@@ -70,7 +70,7 @@ def imports_of(source: str, filename: str = "<source>") -> set[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            # `from labkit import launch` imports the module labkit.launch; `from labkit.x import f` labkit.x
+            # `from labkit.runtime import launch` imports the module labkit.runtime.launch; `from labkit.x import f` labkit.x
             names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
                      for a in node.names]
         else:

@@ -16,7 +16,7 @@ def token_batches(seed: int, steps: int) -> list[tuple[torch.Tensor, torch.Tenso
 
 def reference_losses(batches) -> list[float]:
     """Per-step losses of tiny-llama (seed 0) trained on `batches` in one process."""
-    from labkit.models import build_llm
+    from labkit.zoo.models import build_llm
 
     model = build_llm("tiny-llama", seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
@@ -54,7 +54,7 @@ def spawn_two_ranks(results, tmp_path_factory, name: str) -> list[dict]:
 
     import torch.multiprocessing as mp
 
-    from labkit.launch import free_port
+    from labkit.runtime.launch import free_port
 
     out = tmp_path_factory.mktemp(name)
     mp.spawn(_rank_main, args=(free_port(), str(out), results), nprocs=2, join=True)

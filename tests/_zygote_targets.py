@@ -1,4 +1,4 @@
-"""Rank programs for tests/test_rank_zygote.py, run as `python -m labkit.rank_guard _zygote_targets MODE [DIR]`.
+"""Rank programs for tests/test_rank_zygote.py, run as `python -m labkit.runtime.rank_guard _zygote_targets MODE [DIR]`.
 
 No torch and no process group: what is checked is the process a rank is (warm or cold), not its work.
 MODE: `describe` (prints one JSON line: what a rank sees of its process), `exit3`, `raise`, `killed` (SIGKILLs
@@ -36,7 +36,7 @@ def main(mode: str, folder: str | None = None) -> None:
             json.dump({"pid": os.getpid(), "ppid": os.getppid(), "torchrun": torchrun,
                        "torchrun_ppid": _ppid(torchrun) if torchrun else None}, fh)
         os.replace(os.path.join(folder, f".{rank}.pid"), os.path.join(folder, f"{rank}.pid"))
-        from labkit.launch import rank_ready
+        from labkit.runtime.launch import rank_ready
 
         rank_ready()
         while True:

@@ -4,20 +4,27 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+# The suite's warm starts (tests/support/warmstart) reach labkit through its one seam, labkit.runtime.hooks:
+# importable here and in every process a test starts (ranks, kernels, the grader's children drop the hook).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+import warmstart  # noqa: E402
+
+warmstart.install()
 # Tests run ranks and kernels on a shared 2-core machine: one thread each, no GUI backend.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
 # Notebook kernels are forked from a zygote that imported torch and transformers once per environment
-# (labkit.course.warm_kernels: ~10 CPU s saved per kernel, ~70 kernels in make test); LABKIT_WARM_KERNELS=0
+# (warmstart.warm_kernels: ~10 CPU s saved per kernel, ~70 kernels in make test); LABKIT_WARM_KERNELS=0
 # runs every kernel cold, as a student's and the grader's are.
 os.environ.setdefault("LABKIT_WARM_KERNELS", "1")
 # torchrun's ranks are forked from a zygote that imported torch and transformers once per environment
-# (labkit.rank_zygote, started per pytest process by `_warm_rank_starts` below: ~8 CPU s saved per rank);
+# (warmstart.rank_zygote, started per pytest process by `_warm_rank_starts` below: ~8 CPU s saved per rank);
 # LABKIT_RANK_ZYGOTE=0 starts every rank cold, as a student's and the grader's are. A test file that checks
 # the cold launch itself sets COLD_RANKS = True.
 _RANK_MANAGER: list = []
@@ -66,9 +73,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def _warm_rank_starts():
-    """One labkit.rank_zygote manager for this pytest process (not for the xdist controller, which runs no
+    """One warmstart.rank_zygote manager for this pytest process (not for the xdist controller, which runs no
     test): every rank torchrun starts in a test, a notebook kernel or a warm pool forks from it."""
-    from labkit import rank_zygote
+    from warmstart import rank_zygote
 
     if os.environ.get(rank_zygote.SWITCH_ENV) == "0":
         os.environ.pop(rank_zygote.SWITCH_ENV)
@@ -82,6 +89,18 @@ def _warm_rank_starts():
     os.environ.pop(rank_zygote.SWITCH_ENV, None)
     rank_zygote.stop_manager(_RANK_MANAGER.pop())
     shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def cold_launch(monkeypatch):
+    """This test's launches are a user's: no test hook (labkit.runtime.hooks), so torchrun and its ranks start
+    cold, as on a node (tests/test_rehearsal.py runs every strategy module once this way)."""
+    from labkit.runtime import hooks
+
+    monkeypatch.delenv(hooks.ENV, raising=False)
+    monkeypatch.delenv("LABKIT_RANK_ZYGOTE", raising=False)
+    assert hooks.get("run_rank") is None and hooks.get("torchrun_command") is None
+    yield
 
 
 @pytest.fixture(autouse=True)
@@ -102,7 +121,7 @@ def run_cells(tmp_path):
         nb = nbformat.v4.new_notebook()
         nb.metadata["kernelspec"] = {"name": KERNEL, "display_name": "labkit (Python 3)", "language": "python"}
         nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
-        from labkit.course import warm_kernels
+        from warmstart import warm_kernels
 
         client = nbclient.NotebookClient(nb, kernel_name=KERNEL, timeout=timeout,
                                          resources={"metadata": {"path": str(tmp_path)}},
@@ -135,12 +154,12 @@ def live_children() -> list:
     Python's multiprocessing resource tracker is not counted: `mp.spawn` (tests/_reference.py) starts it
     once per interpreter as a child of pytest, and it lives, idle, until pytest exits. It is Python's,
     not a labkit process, and no labkit code starts it. Nor are the warm-kernel zygotes (idle between
-    notebooks, they live until pytest exits: labkit.course.warm_kernels) and the rank-zygote manager with its
-    zygotes (labkit.rank_zygote); a kernel or a rank one forked is counted."""
+    notebooks, they live until pytest exits: warmstart.warm_kernels) and the rank-zygote manager with its
+    zygotes (warmstart.rank_zygote); a kernel or a rank one forked is counted."""
     import psutil
 
-    from labkit import rank_zygote
-    from labkit.course import warm_kernels
+    from warmstart import rank_zygote
+    from warmstart import warm_kernels
 
     zygotes = set(warm_kernels.zygote_pids())
     for manager in _RANK_MANAGER:
@@ -159,14 +178,14 @@ def live_children() -> list:
 @pytest.fixture
 def warm_ranks(monkeypatch):
     """This test's `labkit.train.run` / `run_many` / `run_together` of 2 ranks go to warm ranks
-    (`labkit.rank_pool`), which stay up for the next test of this worker that asks for them: only the
+    (`labkit.runtime.rank_pool`), which stay up for the next test of this worker that asks for them: only the
     first such run of a worker pays torchrun and two ranks importing torch and transformers (~25 CPU s).
 
-    For tests that check a strategy's numbers, not the cold launch: `labkit.launch` keeps its own tests
+    For tests that check a strategy's numbers, not the cold launch: `labkit.runtime.launch` keeps its own tests
     (test_launch.py), and labkit.train's cold launch stays tested wherever this fixture is not asked for
     (test_ddp, test_many, test_peft, ...). The pool dies with pytest (rank_pool's atexit and parent-death
     links), and before any test of a file that checks this process's children (`_no_idle_warm_ranks`)."""
-    from labkit import rank_pool
+    from labkit.runtime import rank_pool
 
     monkeypatch.setenv(rank_pool.ENV_SWITCH, "1")
     yield
@@ -178,7 +197,7 @@ def _no_idle_warm_ranks(request):
     warm ranks left idle by an earlier test's `warm_ranks`."""
     import sys
 
-    pool = sys.modules.get("labkit.rank_pool")
+    pool = sys.modules.get("labkit.runtime.rank_pool")
     if (pool is not None and "warm_ranks" not in request.fixturenames
             and getattr(request.module, "live_children", None) is live_children):
         pool.close_pool()

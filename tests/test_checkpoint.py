@@ -15,7 +15,7 @@ import pytest
 
 from labkit import results
 from labkit.errors import ConfigError
-from labkit.models import llm_config
+from labkit.zoo.models import llm_config
 from labkit.train import loop, run  # noqa: F401  (imported up front: deadlines below are seconds away)
 from labkit.train.checkpoint import complete_checkpoints, latest_checkpoint
 

@@ -55,7 +55,7 @@ def test_a_gpu_nodes_defaults_measure_every_gpu_up_to_1_gib(monkeypatch):
     from labkit.cli import bench
 
     launched = []
-    monkeypatch.setattr("labkit.launch.run", lambda module, args, nproc, **kw: launched.append((nproc, args)))
+    monkeypatch.setattr("labkit.runtime.launch.run", lambda module, args, nproc, **kw: launched.append((nproc, args)))
     monkeypatch.setattr(commbench, "load", lambda path: path)
     for gpus, nproc, top in ((4, 4, "1G"), (8, 8, "1G"), (1, 2, "16M"), (0, 2, "16M")):
         monkeypatch.setattr(bench, "gpu_count", lambda: gpus)

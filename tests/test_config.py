@@ -33,15 +33,17 @@ def test_flat_names_land_in_their_sections_through_one_generated_table():
     assert (cfg.optim.batch, cfg.run.seq_len, cfg.checkpoint.deadline_margin_s) == (8, 32, 30.0)  # profile, arg
     fields = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
     assert sorted(fields) == sorted(FIELD_SECTION) and len(fields) == len(set(fields))  # flat names are unique
-    assert list(SECTIONS) == [f.name for f in dataclasses.fields(TrainConfig)]
-    assert from_dict(cfg.flat()) == cfg
+    assert list(SECTIONS) + ["resolved_profile"] == [f.name for f in dataclasses.fields(TrainConfig)]
+    assert from_dict(cfg.flat()).resolve() == cfg  # flat names carry no Profile: resolve() looks it up
 
 
 def test_old_flat_json_loads_and_new_json_round_trips():
     old = TrainConfig.from_json(OLD_FLAT_JSON)
-    assert old == lora()
-    new = json.loads(old.to_json())
-    assert set(new) == set(SECTIONS) and new["precision"]["amp"] == "bf16"
+    assert old.resolved_profile is None and old.resolve() == lora()  # resolved against its named profile
+    new = json.loads(lora().to_json())
+    assert set(new) == {*SECTIONS, "resolved_profile"} and new["precision"]["amp"] == "bf16"
+    assert new["resolved_profile"]["name"] == "smoke"
+    assert TrainConfig.from_json(lora().to_json()) == lora()
     assert TrainConfig.from_json(old.to_json()) == old
 
 
@@ -80,3 +82,52 @@ def test_replace_keeps_the_rest_and_flat_names_point_to_their_section():
         cfg.precision.amp = "fp16"
     with pytest.raises(AttributeError, match=r"it is cfg\.precision\.amp"):
         cfg.amp  # noqa: B018
+
+
+def _counting_profiles(monkeypatch) -> list[str]:
+    """Every lookup of a profile by name from now on, in order (labkit.profiles.get_profile's table)."""
+    from labkit import profiles
+
+    looked_up: list[str] = []
+
+    def counted(name, make):
+        def lookup():
+            looked_up.append(name)
+            return make()
+        return lookup
+
+    monkeypatch.setattr(profiles, "PROFILES", {n: counted(n, f) for n, f in profiles.PROFILES.items()})
+    return looked_up
+
+
+def test_a_resolved_config_carries_its_profile_and_the_ranks_get_that_object(monkeypatch):
+    """resolve() keeps the Profile (cfg.profile); to_json carries it, so the ranks rebuild the very profile the
+    caller resolved against (a changed one too: course.profile_check sizes such profiles), never a lookup."""
+    from labkit.profiles import get_profile
+    from labkit.train import api, worker
+
+    changed = dataclasses.replace(get_profile("smoke"), timeout_s=77.0, collective_timeout_s=33.0)
+    cfg = TrainConfig.of(strategy="ddp", model="tiny-llama", nproc=2, run_id="r1").resolve(changed)
+    assert cfg.profile == changed and cfg.resolve() == cfg  # idempotent: keeps its Profile
+    looked_up = _counting_profiles(monkeypatch)
+    again = TrainConfig.from_json(cfg.to_json())
+    assert again == cfg and again.profile.timeout_s == 77.0
+    profile, _ = worker.parse_job(["--config-json", cfg.to_json()])
+    assert profile == changed
+    assert api._timeout(cfg, None) == 77.0 and api.process_group(cfg) == "gloo/cpu/33"
+    assert looked_up == []
+    with pytest.raises(ConfigError, match=r"not resolved yet.*make_config"):
+        TrainConfig.of(strategy="ddp", model="tiny-llama").profile
+    assert cfg.replace(profile="smoke-bf16").resolved_profile is None  # another profile: resolve again
+    assert cfg.replace(amp="bf16").profile == changed
+
+
+def test_a_run_looks_its_profile_up_once(monkeypatch, tmp_path):
+    """From `labkit.train.run` (the CLI's and the notebooks' entry) through the loop of an in-process run,
+    the profile is looked up by name once: where the config is resolved."""
+    from labkit import train
+
+    looked_up = _counting_profiles(monkeypatch)
+    record = train.run("single", "tiny-llama", steps=2, out=str(tmp_path), progress=False, eval_batches=0)
+    assert record.steps == 2
+    assert looked_up == ["smoke"]

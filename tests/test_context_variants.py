@@ -1,4 +1,4 @@
-"""Context-parallel variants (labkit.parallel.context_variants) and MoE capacity (labkit.moe): pure checks, then
+"""Context-parallel variants (labkit.parallel.context_variants) and MoE capacity (labkit.zoo.moe): pure checks, then
 ONE 2-rank gloo job for both against one device (sequence parallelism rides on tests/test_tensor.py's job)."""
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_kv_bytes_ulysses_falls_with_cp_and_the_ring_does_not():
 
 
 def test_capacity_drops_what_exceeds_it_first_come_first_served():
-    from labkit.moe import expert_capacity, keep_within_capacity
+    from labkit.zoo.moe import expert_capacity, keep_within_capacity
 
     assert expert_capacity(tokens=8, experts=4, top_k=2, capacity_factor=1.0) == 4
     assert expert_capacity(tokens=8, experts=4, top_k=2, capacity_factor=1.25) == 5
@@ -67,7 +67,7 @@ def test_capacity_drops_what_exceeds_it_first_come_first_served():
 def _on_two_ranks(out_dir):
     import torch.distributed as dist
 
-    from labkit import moe
+    from labkit.zoo import moe
     from labkit.parallel import context_variants
 
     rank = dist.get_rank()

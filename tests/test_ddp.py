@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from labkit import results
 from labkit.cli.train import command
-from labkit.models import build_model, count_params
+from labkit.zoo.models import build_model, count_params
 from labkit.train import run
 
 STEPS = 8

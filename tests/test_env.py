@@ -1,4 +1,4 @@
-"""labkit.envinfo and `labkit env`: facts of this (GPU-less) machine and the profile verdicts."""
+"""labkit.runtime.envinfo and `labkit env`: facts of this (GPU-less) machine and the profile verdicts."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from labkit import envinfo
+from labkit.runtime import envinfo
 from labkit.profiles import PROFILES
 
 

@@ -206,7 +206,7 @@ def test_spawn_starts_again_on_a_new_port_when_its_port_was_taken(monkeypatch):
 
     warm_ranks = sys.modules["labkit.course.exercises.spawn"].warm_ranks
 
-    from labkit import launch
+    from labkit.runtime import launch
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

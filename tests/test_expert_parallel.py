@@ -12,7 +12,7 @@ def test_dispatch_and_combine_on_one_rank_equal_the_hf_experts():
     """The sort / all-to-all / weighted combine with a 1-rank group reproduces Mixtral's own layer."""
     import torch.distributed as dist
 
-    from labkit.models import build_model
+    from labkit.zoo.models import build_model
     from labkit.parallel.expert import apply_expert_parallel
 
     reference = build_model("tiny-moe").model.layers[0].mlp.experts

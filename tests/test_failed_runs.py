@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit import device as devices
+from labkit.runtime import device as devices
 from labkit.course import preflight
 from labkit.parallel.single import DistContext
 from labkit.profiles import PROFILES, get_profile

@@ -7,7 +7,7 @@ import zipfile
 import pytest
 import torch
 
-from labkit import food11
+from labkit.zoo import food11
 from labkit.train import imagecache
 from labkit.train.data import StepLoader
 
@@ -98,7 +98,7 @@ def test_one_loader_serves_every_epoch_with_workers_and_resumes_mid_epoch():
 
 
 def test_resnet_trains_on_food11_where_fetch_put_it_and_gpu_profiles_say_so(tmp_path, monkeypatch, capsys):
-    from labkit import fetch
+    from labkit.zoo import fetch
     from labkit.errors import ConfigError
     from labkit.profiles import get_profile
     from labkit.train import run

@@ -1,4 +1,4 @@
-"""FP8 numerics of notebook 08 (labkit.fp8): why each tensor carries a scale, and the all-gather bytes."""
+"""FP8 numerics of notebook 08 (labkit.parallel.fp8): why each tensor carries a scale, and the all-gather bytes."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,7 @@ from labkit.errors import ConfigError
 
 
 def test_formats_and_their_ranges():
-    from labkit.fp8 import fp8_max
+    from labkit.parallel.fp8 import fp8_max
 
     assert fp8_max("e4m3") == 448.0 and fp8_max("e5m2") == 57344.0
     with pytest.raises(ConfigError, match="e4m3"):
@@ -16,7 +16,7 @@ def test_formats_and_their_ranges():
 
 
 def test_small_gradients_vanish_without_a_scale_and_survive_with_one():
-    from labkit.fp8 import error
+    from labkit.parallel.fp8 import error
 
     g = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) * 1e-6  # gradient-sized values
     raw, scaled = error(g, "e5m2", "none"), error(g, "e5m2", "tensorwise")
@@ -27,7 +27,7 @@ def test_small_gradients_vanish_without_a_scale_and_survive_with_one():
 
 
 def test_rowwise_scaling_protects_rows_beside_an_outlier():
-    from labkit.fp8 import error
+    from labkit.parallel.fp8 import error
 
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
     x[0, 0] = 1e4  # one outlier sets the tensorwise scale for everybody
@@ -37,7 +37,7 @@ def test_rowwise_scaling_protects_rows_beside_an_outlier():
 
 
 def test_fp8_all_gather_sends_half_of_bf16():
-    from labkit.fp8 import allgather_bytes
+    from labkit.parallel.fp8 import allgather_bytes
     from labkit.parallel import comm
 
     assert allgather_bytes(1000, 4, "fp8") == comm.bytes_sent("all_gather", 1000, 4) == 750
@@ -45,7 +45,7 @@ def test_fp8_all_gather_sends_half_of_bf16():
 
 
 def test_torchao_float8_training_follows_the_high_precision_run():
-    from labkit.fp8 import compare_training
+    from labkit.parallel.fp8 import compare_training
 
     out = compare_training("cpu", steps=2)
     assert out["fp8 linears"] == out["high precision linears"] == 4
@@ -60,7 +60,7 @@ def _fsdp_all_gather_inputs(fp8_all_gather: bool) -> list:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from labkit.fp8 import fp8_linear_filter
+    from labkit.parallel.fp8 import fp8_linear_filter
 
     mesh = init_device_mesh("cpu", (2,))
     model = torch.nn.Sequential(torch.nn.Linear(64, 256, bias=False), torch.nn.GELU(), torch.nn.Linear(256, 64, bias=False))
@@ -89,7 +89,7 @@ def test_torchao_fp8_all_gather_in_fsdp2_sends_half_the_bytes_of_bf16():
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from labkit.fp8 import allgather_bytes
+    from labkit.parallel.fp8 import allgather_bytes
 
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:

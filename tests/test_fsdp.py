@@ -21,7 +21,7 @@ def rec(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama():
-    from labkit.models import build_llm
+    from labkit.zoo.models import build_llm
     return build_llm("tiny-llama", seed=0)
 
 
@@ -63,7 +63,7 @@ def test_size_wrap_follows_min_num_params(llama):
 
 def test_size_wrap_keeps_tied_embedding_in_the_root():
     from transformers import LlamaConfig, LlamaForCausalLM
-    from labkit.presets import LLM_PRESETS
+    from labkit.zoo.presets import LLM_PRESETS
 
     tied = LlamaForCausalLM(LlamaConfig(**{**LLM_PRESETS["tiny-llama"], "tie_word_embeddings": True}))
     units = fsdp.wrap_units(tied, "size", min_num_params=1_000)

@@ -13,7 +13,7 @@ import nbformat
 import pytest
 
 from labkit import parallel
-from labkit import envinfo
+from labkit.runtime import envinfo
 from labkit.course import notebooks as nbk
 from labkit.course import profile_check as pc
 from labkit.cli import main
@@ -153,7 +153,7 @@ def test_gpu_profile_without_gpus_is_one_line_and_exit_2(argv, capsys):
 @pytest.mark.slow  # starts ranks or a kernel: not in `make test-fast`
 @pytest.mark.skipif(envinfo.torch_facts().get("devices"), reason="this machine has GPUs")
 def test_gpu_profile_without_gpus_in_a_notebook_is_one_line(tmp_path):
-    nb = nbk.build_notebook("GPU lab", ["from labkit.envinfo import require\nrequire(PROFILE)"])
+    nb = nbk.build_notebook("GPU lab", ["from labkit.runtime.envinfo import require\nrequire(PROFILE)"])
     path = tmp_path / "gpu_lab.ipynb"
     nbformat.write(nb, path)
     run = nbk.run_notebook(path, profile="a100x4", out_dir=tmp_path / "out")

@@ -35,7 +35,7 @@ def test_stuck_frames_reads_each_ranks_dump(tmp_path):
 
 @pytest.mark.slow
 def test_skipped_collective_hangs_until_the_launcher_stops_every_rank(tmp_path):
-    from labkit import launch
+    from labkit.runtime import launch
     from labkit.errors import LaunchError
 
     # the hang's clock starts when both ranks are up: a busy machine's slow `import torch` does not count
@@ -51,7 +51,7 @@ def test_skipped_collective_hangs_until_the_launcher_stops_every_rank(tmp_path):
 
 
 def test_a_hang_clock_needs_seconds_and_rank_ready_outside_a_launch_does_nothing(monkeypatch, tmp_path):
-    from labkit import launch
+    from labkit.runtime import launch
     from labkit.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"hang_timeout_s=0: give seconds > 0"):

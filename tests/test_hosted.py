@@ -1,4 +1,4 @@
-"""Free cloud notebooks (labkit.hosted): Colab / Kaggle detected from their kernels' variables, the first
+"""Free cloud notebooks (labkit.runtime.hosted): Colab / Kaggle detected from their kernels' variables, the first
 cell installs labkit there (and nowhere else) with a torch the driver runs (a fake nvidia-smi for drivers 535,
 550, 570, 580 and none), and a 2-GPU lab on Colab's one T4 stops in one line."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit import envinfo, hosted
+from labkit.runtime import envinfo, hosted
 from labkit.errors import ConfigError, HardwareError, NeedsMoreGPUs
 from labkit.profiles import get_profile
 
@@ -49,7 +49,7 @@ PINS = [line for line in LOCK.splitlines() if line.startswith(("torch==", "torch
 def _fake_clone(cmd):
     """What `git clone` brings that the cell reads before labkit is installed."""
     clone = Path(cmd[-1])
-    for rel in ("labkit/cudadriver.py", "requirements/lock.txt", "pyproject.toml"):
+    for rel in ("labkit/runtime/cudadriver.py", "requirements/lock.txt", "pyproject.toml"):
         (clone / rel).parent.mkdir(parents=True, exist_ok=True)
         (clone / rel).write_bytes((ROOT / rel).read_bytes())
 
@@ -61,7 +61,7 @@ def _first_cell(calls, monkeypatch, tmp_path, lab="02_single_gpu", gpus=1):
     monkeypatch.setattr(subprocess, "check_call",
                         lambda cmd: calls.append(cmd) or (_fake_clone(cmd) if cmd[0] == "git" else 0))
     monkeypatch.setattr(sys, "path", list(sys.path))
-    source = hosted.first_cell(lab, gpus).split("\n\nfrom labkit.hosted import require_gpus")[0]
+    source = hosted.first_cell(lab, gpus).split("\n\nfrom labkit.runtime.hosted import require_gpus")[0]
     exec(compile(source, "first_cell", "exec"), {})
 
 
@@ -167,7 +167,7 @@ def test_the_repository_is_one_setting_in_site_yml():
     assert f'"{hosted.repository()}"' in hosted.first_cell("01_memory")
     named = [p.relative_to(ROOT) for p in [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("labkit/**/*.py")]
              if "github.com/labkit-course" in p.read_text()]
-    assert named == [Path("labkit/hosted.py")], named  # the docs name the setting, not the URL (hosted: placeholder)
+    assert named == [Path("labkit/runtime/hosted.py")], named  # the docs name the setting, not the URL (hosted: placeholder)
 
 
 def test_a_repository_that_is_not_on_github_is_refused(tmp_path):

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from labkit import fetch, hub
+from labkit.zoo import fetch, hub
 from labkit.cli import main
 from labkit.errors import ConfigError
 
@@ -18,7 +18,7 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 def make_hf_cache(home, repo: str = REPO, dtype=torch.float16):
     """A HF cache holding `repo`: tiny-llama saved in `dtype` (the standard hub layout, no network)."""
-    from labkit.models import build_llm
+    from labkit.zoo.models import build_llm
 
     folder = home / "hub" / ("models--" + repo.replace("/", "--"))
     snapshot = folder / "snapshots" / COMMIT
@@ -52,7 +52,7 @@ def _cli(argv, capsys) -> tuple[int, str, str]:
 
 
 def test_a_cached_id_resolves_to_its_snapshot_and_config(offline):
-    from labkit.models import checkpoint_dir, is_llm, llm_config
+    from labkit.zoo.models import checkpoint_dir, is_llm, llm_config
     from labkit.train.config import model_kind
 
     snapshot = offline / "hub" / "models--labkit-test--tiny-llama" / "snapshots" / COMMIT

@@ -45,7 +45,7 @@ def test_the_callers_timeout_still_ends_the_wait(monkeypatch):
 
 
 def test_every_notebook_labkit_runs_gets_this_client(monkeypatch):
-    from labkit.course import warm_kernels
+    from warmstart import warm_kernels
 
     for switch in ("0", "1"):
         monkeypatch.setenv(warm_kernels.SWITCH_ENV, switch)

@@ -1,4 +1,4 @@
-"""labkit.launch: real 2-rank gloo jobs under torchrun (targets in tests/_launch_targets.py)."""
+"""labkit.runtime.launch: real 2-rank gloo jobs under torchrun (targets in tests/_launch_targets.py)."""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from conftest import TESTS_DIR, command_line, live_children, stream_text
-from labkit import launch
+from labkit.runtime import launch
 from labkit.errors import ConfigError, LaunchError
 
 #: This file tests the launch students get: ranks start cold (tests/conftest.py `_cold_ranks`).
@@ -229,7 +229,7 @@ def start_launcher(target_env, log_dir, mode="hang") -> subprocess.Popen:
     code = textwrap.dedent(f"""
         import signal
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        from labkit import launch
+        from labkit.runtime import launch
         try:
             launch.run({TARGET!r}, [{mode!r}], nproc=2, timeout_s=600, log_dir={log_dir!r})
         except KeyboardInterrupt:
@@ -325,7 +325,7 @@ def test_killed_kernel_leaves_no_rank(target_env, pid_dir, log_dir):
         client = km.client()
         client.start_channels()
         client.wait_for_ready(timeout=SLOW_S)
-        client.execute(f"from labkit import launch\n"
+        client.execute(f"from labkit.runtime import launch\n"
                        f"launch.run({TARGET!r}, ['hang'], nproc=2, timeout_s=600, log_dir={log_dir!r})")
         kernel_pid = km.provisioner.process.pid
         wait_for(lambda: len(rank_pids(pid_dir)) == 2, SLOW_S, "the kernel's ranks did not start")
@@ -362,7 +362,7 @@ def test_notebook_drops_import_noise_and_shows_rank0_output_in_its_cell(run_cell
     # one kernel for both checks (a kernel is a Python process importing labkit)
     env = {k: v for k, v in target_env.items() if k == "PYTHONPATH"}
     nb = run_cells("import labkit\nimport peft\nprint('imported')",
-                   f"from labkit import launch\n"
+                   f"from labkit.runtime import launch\n"
                    f"result = launch.run({TARGET!r}, ['ok'], nproc=2, env={env!r}, timeout_s=120,\n"
                    f"                    log_dir={log_dir!r})\n"
                    f"print('returncode', result.returncode)")

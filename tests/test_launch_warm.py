@@ -1,4 +1,4 @@
-"""labkit.rank_pool: warm ranks serve run after run, and keep every promise of a cold launch.
+"""labkit.runtime.rank_pool: warm ranks serve run after run, and keep every promise of a cold launch.
 
 Jobs are tests/_launch_targets.py's `parse_job` modes, on 2 gloo ranks; the last test trains for real
 (ddp, fsdp-hybrid with its 2-D mesh, DeepSpeed ZeRO-2 twice) through `labkit.train.run`.
@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from conftest import TESTS_DIR, live_children
-from labkit import rank_pool
+from labkit.runtime import rank_pool
 from labkit.errors import LaunchError
 from test_launch import GONE_S, SLOW_S, clock_starts_when_hanging, running, wait_for
 
@@ -100,7 +100,7 @@ def pool_below(proc: subprocess.Popen) -> list[int]:
 
 def test_interrupt_during_a_warm_run_kills_every_rank():
     proc = start_kernel_like(f"""
-        from labkit import rank_pool
+        from labkit.runtime import rank_pool
         rank_pool.run({TARGET!r}, ['ok'], nproc=2, stream=False, timeout_s=600, env={ENV!r})
         print('first done', flush=True)
         try:
@@ -124,7 +124,7 @@ def test_interrupt_during_a_warm_run_kills_every_rank():
 def test_killed_caller_takes_its_idle_warm_ranks_with_it():
     proc = start_kernel_like(f"""
         import time
-        from labkit import rank_pool
+        from labkit.runtime import rank_pool
         rank_pool.run({TARGET!r}, ['ok'], nproc=2, stream=False, timeout_s=600, env={ENV!r})
         print('idle', flush=True)
         time.sleep(600)

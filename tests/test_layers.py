@@ -130,3 +130,20 @@ def test_no_flat_module_is_left_where_a_layer_now_lives():
     moved = ["figures", "plots", "schedule_plot", "widgets", "trace_analysis", "oom", "slides",
              "notebooks", "lease_plan", "planner", "grading", "reserve"]
     assert [m for m in moved if (PKG / f"{m}.py").exists() or (PKG / m).is_dir()] == []
+
+
+def test_the_ground_floor_stays_small_and_grouped():
+    """A newcomer meets at most 12 flat modules; the rest live in packages named for what they are."""
+    flat = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(flat) <= 12, flat
+    for folder in ("runtime", "zoo"):
+        init = PKG / folder / "__init__.py"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"labkit/{folder} needs a docstring"
+
+
+def test_nothing_in_labkit_exists_only_for_the_test_suite():
+    """The suite's warm starts live in tests/support; labkit holds one seam for them (labkit.runtime.hooks)
+    and names none of their modules or switches."""
+    assert not [p for p in PKG.rglob("*.py") if p.stem in ("rank_zygote", "warm_kernels", "forking")]
+    named = [str(p.relative_to(ROOT)) for p in PKG.rglob("*.py") if p.name != "hooks.py" and any(word in p.read_text() for word in ("warmstart", "rank_zygote", "LABKIT_WARM_KERNELS", "LABKIT_RANK_ZYGOTE"))]
+    assert named == [], named

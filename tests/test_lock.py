@@ -1,4 +1,4 @@
-"""The class's lock (labkit.lockfile) and the driver -> torch build choice (labkit.cudadriver), with
+"""The class's lock (labkit.lockfile) and the driver -> torch build choice (labkit.runtime.cudadriver), with
 injected pip freeze output, environments and NVIDIA driver versions (no GPU here)."""
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from labkit import cudadriver, envinfo, lockfile
+from labkit.runtime import cudadriver, envinfo
+from labkit import lockfile
 from labkit.errors import HardwareError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,7 +170,7 @@ def fake_nvidia_smi(tmp_path: Path, rows: str) -> dict:
 
 def run_make_helper(env: dict) -> subprocess.CompletedProcess:
     # Exactly what the Makefile runs before the venv exists: the file, isolated from site-packages.
-    return subprocess.run([sys.executable, "-I", str(ROOT / "labkit" / "cudadriver.py")], env=env,
+    return subprocess.run([sys.executable, "-I", str(ROOT / "labkit" / "runtime" / "cudadriver.py")], env=env,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit import device as devices
+from labkit.runtime import device as devices
 from labkit.parallel import zero
 
 FP16_MAX_OK = 0.5  # x 2^16 = 32768: fits fp16 (max 65504)

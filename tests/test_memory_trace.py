@@ -85,7 +85,7 @@ def test_cli_trace_prints_the_same_json_layout():
 def test_a_config_json_is_counted_on_meta_and_traced(tmp_path):
     from transformers import LlamaConfig
 
-    from labkit import presets
+    from labkit.zoo import presets
 
     LlamaConfig(**presets.LLM_PRESETS["tiny-llama"]).save_pretrained(tmp_path)  # config.json only
     cfg = MemoryConfig(model=str(tmp_path / "config.json"), precision="fp32", batch=2, seq=16)

@@ -10,7 +10,7 @@ from labkit.errors import ConfigError
 
 def test_tiny_moe_is_a_mixtral_whose_count_the_estimator_knows():
     from labkit.memory.params import model_spec
-    from labkit.models import build_model, count_params
+    from labkit.zoo.models import build_model, count_params
 
     model = build_model("tiny-moe")
     assert type(model).__name__ == "MixtralForCausalLM"
@@ -22,7 +22,7 @@ def test_tiny_moe_is_a_mixtral_whose_count_the_estimator_knows():
 
 
 def test_balance_loss_is_one_for_a_uniform_router_and_grows_when_the_load_concentrates():
-    from labkit.moe import balance_loss
+    from labkit.zoo.moe import balance_loss
 
     uniform = torch.zeros(2 * 8, 4)  # (B*T, E): every expert equally likely
     assert float(balance_loss([uniform], top_k=2, batch=2)) == pytest.approx(1.0)
@@ -34,7 +34,7 @@ def test_balance_loss_is_one_for_a_uniform_router_and_grows_when_the_load_concen
 def test_balance_loss_is_a_mean_over_sequences():
     """What makes data- and expert-parallel runs equal the single run: the batch's loss is the mean
     of its halves' losses (a batch-wide Switch loss would not be)."""
-    from labkit.moe import balance_loss
+    from labkit.zoo.moe import balance_loss
 
     g = torch.Generator().manual_seed(0)
     logits = [torch.randn(4 * 6, 4, generator=g) for _ in range(2)]  # 2 layers, B=4, T=6
@@ -47,8 +47,8 @@ def test_balance_loss_is_a_mean_over_sequences():
 def test_the_training_loss_adds_the_weighted_balance_loss():
     import torch.nn.functional as F
 
-    from labkit.models import build_model
-    from labkit.moe import balance_loss
+    from labkit.zoo.models import build_model
+    from labkit.zoo.moe import balance_loss
     from labkit.train.api import make_config
     from labkit.train.data import make_task
 

@@ -127,7 +127,7 @@ def test_the_harness_warning_is_dropped_for_the_course_tests_only():
 
     import cloudpickle
 
-    from labkit import quiet
+    from labkit.runtime import quiet
 
     code = ("import warnings\ndef f():\n    warnings.warn('Converting a tensor with requires_grad=True to a scalar "
             "may lead to unexpected behavior.', UserWarning)\n")

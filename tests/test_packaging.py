@@ -186,7 +186,7 @@ def test_every_makefile_install_uses_the_lock():
     # torch/torchvision pins come from the lock; the wheel index from the node's driver (tests/test_lock.py)
     assert re.search(r"^TORCH_PINS = \$\(shell grep -E '\^torch\(vision\)\?==' \$\(LOCK\)\)$", text, re.M)
     assert "$(TORCH_INDEX_CMD)" in recipe and re.search(
-        r"^TORCH_INDEX_CMD = \$\(PYTHON\) -I labkit/cudadriver\.py --cpu-index \$\(CPU_INDEX\)$", text, re.M)
+        r"^TORCH_INDEX_CMD = \$\(PYTHON\) -I labkit/runtime/cudadriver\.py --cpu-index \$\(CPU_INDEX\)$", text, re.M)
     lock = makefile_recipes()["lock"]
     assert "pip freeze | $(BIN)/python -m labkit.lockfile > $(LOCK).new" in lock
 

@@ -9,7 +9,7 @@ import torch
 
 from labkit.errors import ConfigError
 from labkit.memory.estimate import MemoryConfig, estimate
-from labkit.models import build_llm, llm_config
+from labkit.zoo.models import build_llm, llm_config
 from labkit.parallel import peft as lk_peft
 from labkit.parallel import qlora as lk_qlora
 from labkit.parallel.peft import LoraSettings
@@ -129,7 +129,7 @@ def _save_llama_shaped(path):
 
 @pytest.fixture(scope="module")
 def qlora_tiny(tmp_path_factory):
-    from labkit.models import save_llm
+    from labkit.zoo.models import save_llm
 
     path = save_llm("tiny-llama", tmp_path_factory.mktemp("tiny") / "ckpt")
     return lk_qlora.apply_qlora(lk_qlora.load_4bit(path), cfg=QV)

@@ -34,7 +34,7 @@ def reference_losses() -> list[float]:
 def _train(schedule: str) -> dict:
     import torch.distributed as dist
 
-    from labkit.models import build_llm
+    from labkit.zoo.models import build_llm
 
     group = dist.group.WORLD
     stage = P.apply_pipeline(build_llm("tiny-llama", seed=0), group)
@@ -103,7 +103,7 @@ def test_losses_match_single_process(two_stages, schedule):
 
 @pytest.mark.slow
 def test_each_stage_holds_about_half_the_parameters(two_stages):
-    from labkit.models import build_llm, count_params
+    from labkit.zoo.models import build_llm, count_params
 
     ranks, _ = two_stages
     full = count_params(build_llm("tiny-llama"))

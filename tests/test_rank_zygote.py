@@ -1,7 +1,7 @@
-"""Warm rank starts (labkit.rank_zygote): a rank forked from a zygote is the process a cold rank is, its shim
+"""Warm rank starts (warmstart.rank_zygote): a rank forked from a zygote is the process a cold rank is, its shim
 passes signals on and gives back its exit status, and nothing outlives what it belongs to.
 
-Most tests drive the shim directly (`python -m labkit.rank_guard _zygote_targets MODE`, as torchrun starts a
+Most tests drive the shim directly (`python -m labkit.runtime.rank_guard _zygote_targets MODE`, as torchrun starts a
 rank) against a manager of their own whose zygotes preload nothing (cheap); the last goes through torchrun
 with the suite's own manager (tests/conftest.py `_warm_rank_starts`).
 """
@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from conftest import TESTS_DIR, live_children
-from labkit import rank_zygote
+from warmstart import rank_zygote, run_command
 from labkit.errors import LaunchError
 
 REPO = TESTS_DIR.parent
@@ -34,12 +34,12 @@ def manager(tmp_path):
 
 
 def shim(path: str | None, *args: str, cwd: Path, **env: str) -> subprocess.Popen:
-    """A rank as torchrun starts it (own session, `python -u -m labkit.rank_guard ...`), warm when `path`."""
+    """A rank as torchrun starts it (own session, `python -u -m labkit.runtime.rank_guard ...`), warm when `path`."""
     full = {k: v for k, v in os.environ.items() if k != rank_zygote.SWITCH_ENV}
     full.update(PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS_DIR)]), RANK="0", **env)
     if path:
         full[rank_zygote.SWITCH_ENV] = path
-    return subprocess.Popen([sys.executable, "-u", "-m", "labkit.rank_guard", "_zygote_targets", *args], env=full,
+    return subprocess.Popen([sys.executable, "-u", "-m", "labkit.runtime.rank_guard", "_zygote_targets", *args], env=full,
                             cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -81,7 +81,7 @@ def test_signals_are_passed_on_and_a_killed_shim_takes_its_rank_down(manager, tm
     path, _ = manager
     rank = shim(path, "wait", str(tmp_path), cwd=tmp_path)
     wait_for(tmp_path / "0.pid", rank)
-    rank.send_signal(signal.SIGTERM)  # what torchrun and labkit.launch.kill_tree send
+    rank.send_signal(signal.SIGTERM)  # what torchrun and labkit.runtime.launch.kill_tree send
     assert rank.wait(timeout=300) == 0
     assert (tmp_path / "0.term").read_text() == "SIGTERM"  # the rank's own handler ran
 
@@ -116,15 +116,19 @@ def test_without_a_manager_the_rank_starts_cold(tmp_path):
 
 def test_the_graders_sandbox_never_forks_from_the_suites_zygote(tmp_path, monkeypatch):
     from labkit.course.grading import sandbox
+    from labkit.runtime import hooks
 
     monkeypatch.setenv(rank_zygote.SWITCH_ENV, str(tmp_path / "manager.sock"))
-    assert rank_zygote.SWITCH_ENV not in sandbox.scratch_env(tmp_path)
+    assert os.environ[hooks.ENV].endswith(":warmstart.hook")  # tests/conftest.py installed it
+    env = sandbox.scratch_env(tmp_path)
+    assert hooks.ENV not in env  # without the hook nothing reads the manager's socket: every start is cold
 
 
 def test_commands_other_than_torchrun_stay_as_they_are():
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "x"]
     assert rank_zygote.warm_command(torchrun, {rank_zygote.SWITCH_ENV: "/s"}) == \
-        [sys.executable, "-m", "labkit.rank_zygote", "run", "torch.distributed.run", "--nproc-per-node", "2", "-m", "x"]
+        [sys.executable, *run_command("warmstart.rank_zygote"), "run", "torch.distributed.run", "--nproc-per-node", "2",
+         "-m", "x"]
     assert rank_zygote.warm_command(torchrun, {}) == torchrun
     other = [sys.executable, "-m", "accelerate.commands.launch", "x.py"]
     assert rank_zygote.warm_command(other, {rank_zygote.SWITCH_ENV: "/s"}) == other
@@ -132,7 +136,7 @@ def test_commands_other_than_torchrun_stay_as_they_are():
 
 def test_torchrun_and_its_ranks_fork_warm_and_a_timeout_stops_ranks_first(tmp_path):
     from conftest import _RANK_MANAGER
-    from labkit import launch
+    from labkit.runtime import launch
 
     assert os.environ.get(rank_zygote.SWITCH_ENV) and _RANK_MANAGER, "tests/conftest.py starts the suite's manager"
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS_DIR)])}

@@ -1,6 +1,6 @@
 """Rehearsal (issue #25): every line a GPU profile runs has run before class, on CPU.
 
-- The device layer (`labkit.device`) and the rehearsal's sizing (`labkit.rehearsal`), in process.
+- The device layer (`labkit.runtime.device`) and the rehearsal's sizing (`labkit.runtime.rehearsal`), in process.
 - Each notebook rehearsed for each profile in `REHEARSED` (parametrized over the notebooks that exist):
   it must run top to bottom, every record it shows is a rehearsal's, the node's calls are right (rank r
   on cuda:r, nccl groups, cuda meshes, fp32 really fp32), and the runs it makes are the manifest's
@@ -18,8 +18,8 @@ import nbformat
 import pytest
 import torch
 
-from labkit import device as devices
-from labkit import rehearsal
+from labkit.runtime import device as devices
+from labkit.runtime import rehearsal
 from labkit.course import notebooks as nbk
 from labkit.course import rehearse
 from labkit.errors import RehearsalError
@@ -230,7 +230,7 @@ def test_a_stand_in_keeps_strategy_ranks_and_precision_and_shrinks_the_rest(rehe
         ("pipeline-1f1b", 4, "none", 8)
     assert small.run.steps == rehearsal.STEPS and small.run.seq_len == rehearsal.SEQ_LEN
     assert cfg.optim.batch % small.optim.batch == 0 and small.optim.batch % 8 == 0
-    from labkit.models import build_model, llm_config
+    from labkit.zoo.models import build_model, llm_config
     tiny = llm_config("tinyllama-1.1b")  # the same decoder layer, at most MAX_LAYERS of them, tiny widths
     assert (tiny.num_hidden_layers, tiny.num_attention_heads, tiny.num_key_value_heads) == (rehearsal.MAX_LAYERS, 32, 4)
     assert tiny.hidden_size == 32 * rehearsal.HEAD_DIM
@@ -345,7 +345,7 @@ def test_a_gpu_only_cell_that_raises_fails_the_rehearsal_in_one_line(tmp_path):
 @pytest.mark.slow
 def test_a_run_that_must_fit_fails_the_rehearsal_even_when_the_notebook_catches_it(tmp_path):
     nb = nbk.build_notebook("OOM", [
-        "import torch\nfrom labkit.rehearsal import may_oom\nfrom labkit.train import run",
+        "import torch\nfrom labkit.runtime.rehearsal import may_oom\nfrom labkit.train import run",
         "for strategy, expected in (('single', True), ('lora', False)):\n"
         "    try:\n        with may_oom(expected):\n"
         "            run(strategy, 'llama2-7b', profile=PROFILE, steps=2, out='runs', progress=False, "
@@ -375,7 +375,7 @@ def test_notebook_rehearses_on_the_profile(path, profile):
     if not run.ok:
         pytest.fail(f"{run.describe()}\n{run.traceback[-3000:]}", pytrace=False)
     executed = nbformat.read(run.output, as_version=4)
-    if run.status == "stopped":  # a 2-GPU lab on Colab's one T4 (labkit.hosted): one line, before any run
+    if run.status == "stopped":  # a 2-GPU lab on Colab's one T4 (labkit.runtime.hosted): one line, before any run
         _check_stopped(run, executed, profile)
         return
     shown = [p for p in _payloads(executed) if p["kind"] == "run"]
@@ -440,7 +440,7 @@ CHECKS = {"02_single_gpu": _check_02, "04_fsdp": _check_04, "06_peft": _check_06
 
 
 def _check_stopped(run, executed, profile):
-    from labkit import hosted
+    from labkit.runtime import hosted
 
     assert profile in hosted.MORE_GPUS and "Kaggle's T4 x2" in run.evalue, run.describe()
     assert "stopped" in run.describe() and "Kaggle" in nbk.format_runs([run])
@@ -476,15 +476,26 @@ def test_the_manifest_holds_every_rehearsed_profile_and_lab_runs_reads_it():
 #: (tests/test_fsdp.py's sweep), zero2 bf16 (tests/test_gpu_paths.py), single-rank bf16 (tests/test_train.py,
 #: 02/06 in smoke: their AMP runs are bf16 on every profile). The a100x4 rehearsal takes every bf16
 #: branch of the notebooks themselves, which replaced the smoke-bf16 notebook runs (tests/test_notebooks.py).
+#: The launch is a user's, cold (`cold_launch`: no test hook, torchrun and ranks start as on a node), and it
+#: holds one run of every strategy module that launches ranks (labkit.parallel.STRATEGIES; 'single' trains
+#: in the caller's process): the suite's one cold launch of each strategy.
 BF16_RANKS = 2
 BF16_RUNS = [("ddp", {}), ("zero1", {}), ("zero3", {}), ("zero3-offload", {}), ("fsdp-grad-op", {}),
              ("tensor-fsdp", {}), ("pipeline-gpipe", {"microbatches": 4}), ("pipeline-1f1b", {"microbatches": 4}),
              ("pipeline-interleaved", {"microbatches": 4}), ("pipeline-zero-bubble", {"microbatches": 4}),
-             ("context-parallel", {}), ("fsdp-qlora", {}), ("expert-parallel", {"model": "tiny-moe"})]
+             ("context-parallel", {}), ("fsdp-qlora", {}), ("expert-parallel", {"model": "tiny-moe"}),
+             ("lora", {}), ("qlora", {})]
+
+
+def test_the_cold_launch_holds_every_strategy_module_that_launches_ranks():
+    from labkit import parallel
+
+    launched = {module for module, _ in parallel.STRATEGIES.values()} - {"single"}
+    assert {parallel.STRATEGIES[name][0] for name, _ in BF16_RUNS} == launched
 
 
 @pytest.mark.slow
-def test_every_strategy_a_lab_trains_in_bf16_communicates_over_real_ranks(tmp_path):
+def test_every_strategy_a_lab_trains_in_bf16_communicates_over_real_ranks(tmp_path, cold_launch):
     from labkit.train.many import run_many
 
     records = run_many(BF16_RUNS, "tiny-llama", nproc=BF16_RANKS, out=str(tmp_path), amp="bf16", steps=2,
@@ -497,7 +508,7 @@ def test_every_strategy_a_lab_trains_in_bf16_communicates_over_real_ranks(tmp_pa
     # (lab 07's tolerance); after one step they may differ by what each strategy rounds in bf16.
     ref = by_name["ddp"].losses[0]
     for name, rec in by_name.items():
-        if name not in ("ddp", "expert-parallel-tiny-moe", "fsdp-qlora"):  # other model / quantized base
+        if name not in ("ddp", "expert-parallel-tiny-moe", "fsdp-qlora", "qlora"):  # other model / quantized base
             assert rec.losses[0] == pytest.approx(ref, rel=0.02), (name, rec.losses[0], ref)
 
 

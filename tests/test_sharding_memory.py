@@ -30,7 +30,7 @@ WRAP_POLICIES = {"root": {"wrap": "root"}, "block": {}, "size": {"wrap": "size",
 def sweep_records(tmp_path_factory) -> dict:
     """key -> RunRecord of RUNS; run once per pytest session (cached in the session's temp folder)."""
     from labkit import results
-    from labkit.models import save_llm
+    from labkit.zoo.models import save_llm
     from labkit.parallel.studies import sweep
 
     root = tmp_path_factory.getbasetemp() / "sharding_sweep"

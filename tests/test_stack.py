@@ -66,7 +66,7 @@ def test_bitsandbytes_optimizers_are_refused_with_the_reason():
 def test_a_float_4bit_storage_that_fsdp_would_cast_is_refused(tmp_path):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from labkit.models import save_llm
+    from labkit.zoo.models import save_llm
     from labkit.parallel.qlora import load_4bit
 
     path = save_llm("tiny-llama", tmp_path / "base")

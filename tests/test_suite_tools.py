@@ -27,7 +27,7 @@ def test_changed_files_select_the_tests_that_import_them():
 
     files, stems = select(["notebooks/03_ddp.ipynb"])
     assert files == ["tests/test_exercises_ci.py", "tests/test_notebooks.py"] and stems == {"03_ddp"}
-    files, _ = select(["labkit/rank_pool.py"])
+    files, _ = select(["labkit/runtime/rank_pool.py"])
     assert {"tests/test_launch_warm.py", "tests/test_train.py"} <= set(files)  # directly, and through labkit.train
     assert "tests/test_budget.py" not in files
     files, stems = select(["tests/_launch_targets.py"])

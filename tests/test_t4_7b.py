@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit import fetch, hub
+from labkit.zoo import fetch, hub
 from labkit.profiles import get_profile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,7 +27,7 @@ def make_llama2_7b_cache(home: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    from labkit.presets import LLM_PRESETS
+    from labkit.zoo.presets import LLM_PRESETS
 
     folder = home / "hub" / ("models--" + LLAMA_7B.replace("/", "--"))
     snapshot = folder / "snapshots" / COMMIT

@@ -34,7 +34,7 @@ def _build(variant: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from labkit.models import build_llm
+    from labkit.zoo.models import build_llm
     from labkit.parallel import tensor as T
 
     model = build_llm("tiny-llama", seed=0)
@@ -111,7 +111,7 @@ def test_losses_match_single_process(two_ranks, variant):
 
 @pytest.mark.slow
 def test_each_rank_holds_about_half_the_parameters(two_ranks):
-    from labkit.models import build_llm, count_params
+    from labkit.zoo.models import build_llm, count_params
 
     ranks, _ = two_ranks
     full = count_params(build_llm("tiny-llama"))

@@ -24,9 +24,9 @@ def run_main(argv, capsys):
 
 # ------------------------------------------------------------------ training behaviour
 def test_threads_reach_every_rank_of_a_launch(monkeypatch, tmp_path):
-    # --threads N is each launched rank's OMP_NUM_THREADS (labkit.launch._child_env); without it, the
-    # strategy's default (labkit.launch.cpu_threads). The launch itself is replaced: only the count is checked.
-    from labkit import rank_pool
+    # --threads N is each launched rank's OMP_NUM_THREADS (labkit.runtime.launch._child_env); without it, the
+    # strategy's default (labkit.runtime.launch.cpu_threads). The launch itself is replaced: only the count is checked.
+    from labkit.runtime import rank_pool
     from labkit.train import api
 
     seen = []

@@ -1,4 +1,4 @@
-"""Warm notebook kernels (labkit.course.warm_kernels, issue #31): forked from a zygote that imported torch
+"""Warm notebook kernels (warmstart.warm_kernels, issue #31): forked from a zygote that imported torch
 once, yet each one the fresh kernel of its own environment, and nothing outlives its owner."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import nbformat
 import pytest
 
 from labkit.course import notebooks as nbk
-from labkit.course import warm_kernels
+from warmstart import warm_kernels
 
 pytestmark = pytest.mark.slow  # starts kernels: not in `make test-fast`
 
@@ -93,7 +93,7 @@ def test_a_kernel_that_dies_is_reported_dead_and_reaped(tmp_path, monkeypatch):
 OWNER = """\
 import asyncio, os, sys, time
 os.environ["LABKIT_WARM_KERNELS"] = "1"
-from labkit.course import warm_kernels
+from warmstart import warm_kernels
 
 async def main():
     km = warm_kernels.manager_class()(kernel_name="labkit")
@@ -129,7 +129,7 @@ def _alive(pid: int) -> bool:
 
 def test_interrupt_reaches_the_kernel_and_nothing_outlives_a_killed_owner(tmp_path):
     owner = subprocess.Popen([sys.executable, "-c", OWNER], cwd=tmp_path, stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent / "support")})
     try:
         lines = []
         for line in owner.stdout:

@@ -44,7 +44,7 @@ def jupyterlab(root: Path):
     """A JupyterLab server on 127.0.0.1 serving `root` (tests/test_grading_review_browser.py uses it too);
     yields (base url, token) and stops the server on exit."""
     pytest.importorskip("playwright", reason="Playwright for Python is not installed (pip install playwright)")
-    from labkit.launch import free_port
+    from labkit.runtime.launch import free_port
 
     token, port = secrets.token_hex(16), free_port()
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip", "127.0.0.1", f"--port={port}",

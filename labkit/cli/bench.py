@@ -4,7 +4,7 @@
     labkit bench comm --nproc 2 --sizes 1K,64K,1M           # gloo on CPU
     labkit bench comm --json --out /tmp/bench               # JSON, one object per (op, bytes)
 
-Core: `run_comm` (launches `python -m labkit.profiling.commbench` through `labkit.launch.run`, then reads the
+Core: `run_comm` (launches `python -m labkit.profiling.commbench` through `labkit.runtime.launch.run`, then reads the
 file rank 0 wrote); `labkit.profiling.commbench` has the formulas, the file format and the reader that notebook 03
 and the preflight use. Without --out the file is comm_bench.json in the results root ($LABKIT_RUNS, else
 runs/), where notebook 03 reads it.
@@ -21,8 +21,8 @@ from labkit.errors import ConfigError
 
 
 def gpu_count() -> int:
-    """CUDA devices of this machine (`labkit.envinfo`; 0 without CUDA)."""
-    from labkit.envinfo import torch_facts
+    """CUDA devices of this machine (`labkit.runtime.envinfo`; 0 without CUDA)."""
+    from labkit.runtime.envinfo import torch_facts
 
     return len(torch_facts().get("devices", []))
 
@@ -32,7 +32,7 @@ def run_comm(*, nproc: int | None = None, sizes: str | None = None, ops: str = "
              stream: bool = False) -> list[commbench.CommMeasurement]:
     """Measure on `nproc` ranks (default: every GPU of a node, else 2 CPU ranks); returns the rows rank 0 wrote to
     `<out>/comm_bench.json` (default: the results root, `commbench.default_file`)."""
-    from labkit import launch
+    from labkit.runtime import launch
 
     if nproc is not None and (not isinstance(nproc, int) or nproc < 2):
         raise ConfigError(f"--nproc {nproc!r}: a collective needs at least 2 ranks; use --nproc 2 or more")
@@ -47,8 +47,8 @@ def run_comm(*, nproc: int | None = None, sizes: str | None = None, ops: str = "
         raise ConfigError(f"unknown collective(s) {', '.join(bad)}; choose from {','.join(commbench.OPS)}")
     parsed = commbench.parse_sizes(sizes, nproc)  # fail here, before any rank starts
     folder = str(out or commbench.default_file().parent)
-    from labkit import rehearsal
-    if rehearsal.active():  # the node's ranks, stood in for in this process (labkit.rehearsal)
+    from labkit.runtime import rehearsal
+    if rehearsal.active():  # the node's ranks, stood in for in this process (labkit.runtime.rehearsal)
         return commbench.load(commbench.rehearse(nproc, parsed, ops.split(","), warmup=warmup, iters=iters, out=folder))
     launch.run("labkit.profiling.commbench", ["--sizes", sizes, "--ops", ops, "--warmup", str(warmup), "--iters", str(iters),
                                     "--out", folder], nproc=nproc, timeout_s=timeout_s, stream=stream)

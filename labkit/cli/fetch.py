@@ -1,4 +1,4 @@
-"""`labkit fetch MODEL|food11|dolly [--dest DIR]` and `labkit fetch --status --profile P` (core: labkit.fetch).
+"""`labkit fetch MODEL|food11|dolly [--dest DIR]` and `labkit fetch --status --profile P` (core: labkit.zoo.fetch).
 
 Run it on the node before a lab (or on the shared file system once), so no lab waits on a download
 while the lease clock runs; runs then read the caches, offline with HF_HUB_OFFLINE=1.
@@ -15,7 +15,7 @@ import click
 @click.option("--profile", default="a100x4", show_default=True, help="profile for --status")
 def command(targets: tuple[str, ...], dest: str | None, show_status: bool, profile: str) -> None:
     """Pre-download TARGETS: a Hugging Face model id (ORG/NAME), tinyllama-1.1b, llama2-7b, food11, dolly."""
-    from labkit import fetch
+    from labkit.zoo import fetch
     from labkit.errors import ConfigError
 
     if show_status:

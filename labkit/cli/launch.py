@@ -1,7 +1,7 @@
 """`labkit launch emit slurm|k8s`: the same `labkit train ...` on several nodes of a cluster.
 
 Both emitters are pure functions returning text. Every node runs `labkit train <args> --nproc G --nnodes N
---node-rank R --rdzv-endpoint HEAD:PORT`; `labkit train` hands these to `labkit.launch.run`, which
+--node-rank R --rdzv-endpoint HEAD:PORT`; `labkit train` hands these to `labkit.runtime.launch.run`, which
 starts torchrun with a rendezvous at the head node (node 0), so one command works on one laptop, one
 node, or many nodes.
 See docs/launching.md.

@@ -96,7 +96,7 @@ def _options(fn):
 def _command(source: str, doc: str):
     @_options
     def cmd(as_json: bool, **options) -> None:
-        from labkit.hub import NotCachedError
+        from labkit.zoo.hub import NotCachedError
         try:
             result = run(source, config_from_options(**options))
         except NotCachedError:

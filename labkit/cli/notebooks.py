@@ -61,7 +61,7 @@ def run(ctx, names, profile, out_dir, timeout_s, kernel, params, rehearse, write
     if write_manifest and (not rehearse or names):
         raise click.UsageError("--write-manifest needs --rehearse and every notebook (no NAMES)")
     if not rehearse:
-        from labkit.envinfo import require
+        from labkit.runtime.envinfo import require
         require(profile)  # a GPU profile without its GPUs: one line and exit 2 before any kernel starts
     parameters = {name: yaml.safe_load(value) for name, value in params}
     runs = nbk.run_notebooks(list(names) or None, profile=profile, out_dir=out_dir, timeout_s=timeout_s,
@@ -70,7 +70,7 @@ def run(ctx, names, profile, out_dir, timeout_s, kernel, params, rehearse, write
     click.echo(nbk.format_runs(runs))
     if rehearse:
         from labkit.course import rehearse as rh
-        from labkit.rehearsal import BANNER, STEPS
+        from labkit.runtime.rehearsal import BANNER, STEPS
         click.echo(BANNER.format(profile=profile, steps=STEPS), err=True)
         if write_manifest and all(r.ok for r in runs):
             click.echo(f"lab runs of {profile} written to {rh.write_manifest(profile, rh.runs_of(runs))}", err=True)

@@ -9,7 +9,7 @@ import click
 
 def repository_lines(repository: str) -> str:
     """Where the Open in Colab / Kaggle links point, and one more line while that is still the placeholder."""
-    from labkit import hosted
+    from labkit.runtime import hosted
 
     text = f"Open in Colab / Kaggle links point to {repository} (site/site.yml, or --repo)"
     if hosted.is_placeholder(repository):

@@ -3,7 +3,7 @@
     labkit train --strategy ddp --model tiny-llama --profile smoke --nproc 2 --steps 20 --out runs/ddp
 
 With --nproc > 1 (or a strategy that needs a process group) it launches itself under torchrun via
-`labkit.launch`; rank 0 appends one record to OUT/results.jsonl (default OUT: $LABKIT_RUNS, else runs) and
+`labkit.runtime.launch`; rank 0 appends one record to OUT/results.jsonl (default OUT: $LABKIT_RUNS, else runs) and
 this command prints its summary.
 """
 from __future__ import annotations

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from labkit.course import warm_kernels
 from labkit.errors import ConfigError, NotebookError
-from labkit.launch import environ
+from labkit.runtime.launch import environ
 from labkit.profiles import get_profile
 
 KERNEL = "labkit"
@@ -44,7 +43,7 @@ class NotebookRun:
     """Notebook file name without `.ipynb`, e.g. '01_memory'."""
     status: str
     """'ok', 'failed', or 'stopped': the lab needs more GPUs than the profile has and said so in its first
-    cell (`labkit.hosted.require_gpus`, e.g. a 2-GPU lab on Colab's one T4) -- counted as ok."""
+    cell (`labkit.runtime.hosted.require_gpus`, e.g. a 2-GPU lab on Colab's one T4) -- counted as ok."""
     seconds: float
     output: Path
     """The executed copy; written in both cases."""
@@ -194,7 +193,7 @@ def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: st
                  parameters: Mapping[str, Any] | None = None, rehearse: bool = False) -> NotebookRun:
     """Execute one notebook with papermill in its own folder, keeping the executed copy in `out_dir`.
 
-    `rehearse`: the profile's notebook on this machine's CPU (`labkit.rehearsal`, docs/gpu-node.md);
+    `rehearse`: the profile's notebook on this machine's CPU (`labkit.runtime.rehearsal`, docs/gpu-node.md);
     the log of its runs and CUDA calls goes beside the executed copy (`<name>.rehearsal.jsonl`)."""
     import papermill
     from papermill.exceptions import PapermillExecutionError
@@ -224,7 +223,7 @@ def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: st
             papermill.execute_notebook(str(src), str(out), parameters=params, kernel_name=kernel,
                                        cwd=str(src.parent), progress_bar=False,
                                        execution_timeout=timeout_s,
-                                       **warm_kernels.client_options())  # make test: forked kernels
+                                       kernel_manager_class=_kernel_manager())
     except PapermillExecutionError as exc:
         fail = dict(index=exc.cell_index, ename=exc.ename, evalue=exc.evalue, tb="\n".join(exc.traceback))
     except Exception as exc:  # noqa: BLE001 - timeouts, dead kernels, unknown kernels: still a failed run
@@ -241,7 +240,7 @@ def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: st
                                ename="RehearsalError", evalue=found[0], **common)
     if not fail:
         return NotebookRun(src.stem, "ok", seconds, out, **common)
-    if fail["ename"] == "NeedsMoreGPUs":  # labkit.hosted.require_gpus: where to run the lab instead, not a failure
+    if fail["ename"] == "NeedsMoreGPUs":  # labkit.runtime.hosted.require_gpus: where to run the lab instead, not a failure
         return NotebookRun(src.stem, "stopped", seconds, out, ename=fail["ename"], evalue=_ANSI.sub("", fail["evalue"]),
                            **common)
     cell, count = _failing_cell(out, fail["index"]) if out.exists() else (None, None)
@@ -249,13 +248,25 @@ def run_notebook(path: str | os.PathLike, *, profile: str = "smoke", out_dir: st
                        evalue=_ANSI.sub("", fail["evalue"]), traceback=_ANSI.sub("", fail["tb"]), **common)
 
 
+def _kernel_manager():
+    """labkit's kernel manager (labkit.course.kernel_client), or the test suite's (labkit.runtime.hooks)."""
+    from labkit.course.kernel_client import KernelManager
+    from labkit.runtime import hooks
+
+    hook = hooks.get("kernel_manager_class")
+    return (hook() if hook else None) or KernelManager
+
+
 def _children_cpu() -> float:
     """User + system CPU seconds of this process's reaped children (a kernel, and what it reaped), and of
-    the warm kernels its zygotes reaped (labkit.course.warm_kernels: not this process's children)."""
+    the kernels a test hook reaped elsewhere (labkit.runtime.hooks: not this process's children)."""
     import resource
 
+    from labkit.runtime import hooks
+
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime + warm_kernels.reaped_cpu()
+    reaped = hooks.get("reaped_cpu")
+    return usage.ru_utime + usage.ru_stime + (reaped() if reaped else 0.0)
 
 
 def run_notebooks(names: Sequence[str] | None = None, *, profile: str = "smoke",

@@ -114,7 +114,7 @@ def run(profile: str | Profile, *, out: str | Path = "build/preflight", steps: i
         burn_in_s: float = 0.0) -> list[Check]:
     """Every check for `profile` on this machine, under a new run id; everything measured lands in OUT.
     `burn_in_s` (at most `node_health.BURN_IN_S`): every GPU at dense matmuls that long (throttling)."""
-    from labkit.envinfo import require
+    from labkit.runtime.envinfo import require
 
     node_health.check_burn_in(burn_in_s)
 

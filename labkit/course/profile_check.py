@@ -55,7 +55,7 @@ def precision_problem(profile: Profile) -> str | None:
     family = next((f for f in CAPABILITY if f in profile.gpu_name), None)
     if family is None:
         return f"profile {profile.name!r}: unknown GPU {profile.gpu_name!r}; add its family to CAPABILITY"
-    from labkit.envinfo import BF16_CAPABILITY
+    from labkit.runtime.envinfo import BF16_CAPABILITY
 
     want = "bfloat16" if CAPABILITY[family] >= BF16_CAPABILITY else "float16"
     if profile.dtype != want:

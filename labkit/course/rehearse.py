@@ -1,11 +1,11 @@
-"""The course side of a rehearsal (`labkit.rehearsal`): run a GPU profile's notebooks on any machine the
+"""The course side of a rehearsal (`labkit.runtime.rehearsal`): run a GPU profile's notebooks on any machine the
 week before class, read what they did, and keep the manifest of every lab run per profile.
 
 `labkit notebooks run --profile a100x4 --rehearse` (`make rehearse PROFILE=a100x4`) executes each notebook
 with `environment(log)` set: the kernel and every rank it starts append to `<name>.rehearsal.jsonl`
 beside the executed copy -- one line per run (sized at its real size, `event: run`), per shown record
 (`event: key`) and per CUDA call the node would have made (`set_device`, `init_process_group`, `mesh`,
-...; `labkit.device`). `observed_runs` turns a log into the notebook's runs with their cell; `problems`
+...; `labkit.runtime.device`). `observed_runs` turns a log into the notebook's runs with their cell; `problems`
 names the runs the node could not hold; `MANIFEST` (labkit/data/lab_runs.json) keeps, per profile, the
 runs every notebook makes, which `labkit.course.profile_check.lab_runs` -- and through it the preflight
 -- reads: nobody keeps that list by hand, and tests/test_rehearsal.py checks it against what the
@@ -31,7 +31,7 @@ RUN_SOURCES = ("run",)
 def environment(log: str | os.PathLike, profile: str | None = None) -> dict[str, str]:
     """The environment of a rehearsing kernel (and of every rank it starts) logging to `log` (emptied);
     `profile`: the notebook's PROFILE, which every run it makes must train on."""
-    from labkit import rehearsal
+    from labkit.runtime import rehearsal
 
     log = Path(log)
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +66,7 @@ class ObservedRun:
     fits: bool = True
     gpus_ok: bool = True
     may_oom: bool = False
-    """Inside `labkit.rehearsal.may_oom()`: a lesson's deliberate out-of-memory run."""
+    """Inside `labkit.runtime.rehearsal.may_oom()`: a lesson's deliberate out-of-memory run."""
     describe: str = ""
     fix: str = ""
     profile: str = ""
@@ -131,7 +131,7 @@ def problem_cell(log: str | os.PathLike, cells: dict[int, int] | None = None) ->
 
 
 def calls(log: str | os.PathLike, event: str | None = None) -> list[dict[str, Any]]:
-    """The CUDA calls the node would have made (`labkit.device.record`), of one `event` or all."""
+    """The CUDA calls the node would have made (`labkit.runtime.device.record`), of one `event` or all."""
     return [e for e in read(log) if e["event"] not in ("run", "key") and (event is None or e["event"] == event)]
 
 

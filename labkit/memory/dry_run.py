@@ -1,6 +1,6 @@
 """Trace one real training step under `FakeTensorMode` with torch's `MemTracker`.
 
-The actual model (the same `labkit.models` builders the labs train) runs forward, backward and an
+The actual model (the same `labkit.zoo.models` builders the labs train) runs forward, backward and an
 optimizer step on fake tensors: every op computes shapes and dtypes but allocates nothing, so a
 Llama-2-7B full fine-tune step is traced on a CPU machine. `MemTracker` attributes every storage to
 parameters, buffers, gradients, activations, temporaries or optimizer states.
@@ -97,7 +97,7 @@ def build(cfg: MemoryConfig, *, device: str = "cpu", fake_mode=None):
     With `fake_mode`, the model (and its LoRA adapters) is built on the meta device and its
     parameters are then replaced by fake CPU tensors: fake parameters cannot be converted with
     `.to()` (torch swaps them, which their weak references forbid), meta ones can."""
-    from labkit import rehearsal
+    from labkit.runtime import rehearsal
 
     spec = spec_of(cfg)
     dtype = _DTYPES[cfg.precision]
@@ -131,19 +131,19 @@ def build(cfg: MemoryConfig, *, device: str = "cpu", fake_mode=None):
 
 
 def _build_model(name: str):
-    """A preset through `labkit.models` (what the labs train), or a model from a config.json's
+    """A preset through `labkit.zoo.models` (what the labs train), or a model from a config.json's
     architecture (random weights: a checkpoint's weights are never needed to count bytes)."""
-    from labkit import presets
-    from labkit.models import build_model, llm_config
+    from labkit.zoo import presets
+    from labkit.zoo.models import build_model, llm_config
 
     if name in presets.ALL_MODELS:
         return build_model(name)
     from transformers import AutoModelForCausalLM
 
-    from labkit import hub
+    from labkit.zoo import hub
 
     folder = Path(name).parent if Path(name).is_file() else Path(name)
-    # a HF id: llm_config reads the cached config.json (labkit.hub); weights are never loaded here
+    # a HF id: llm_config reads the cached config.json (labkit.zoo.hub); weights are never loaded here
     return AutoModelForCausalLM.from_config(llm_config(name if hub.is_hub_id(name) else str(folder)))
 
 

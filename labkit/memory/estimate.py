@@ -78,7 +78,7 @@ class MemoryConfig:
     """One training setup to estimate. Exactly one of `model` / `params` is given."""
 
     model: str | None = None
-    """Preset name (`labkit.presets`) or path of a Hugging Face config.json."""
+    """Preset name (`labkit.zoo.presets`) or path of a Hugging Face config.json."""
     params: int | None = None
     """A bare parameter count instead of a model (model states only)."""
     precision: str = "mixed-bf16"

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from labkit import device as devices
+from labkit.runtime import device as devices
 from labkit.errors import ConfigError
 from labkit.memory.estimate import Estimate, MemoryConfig, estimate
 from labkit.memory.dry_run import _quiet, check_traceable, run_step, to_estimate

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit import presets
+from labkit.zoo import presets
 from labkit.errors import ConfigError
 
 
@@ -288,8 +288,8 @@ def model_spec(model: str) -> ModelSpec:
     if model in published_configs():
         return family_spec(model, published_configs()[model])
     path = Path(model)
-    from labkit import hub
-    if hub.is_hub_id(model):  # config.json only, from the HF cache (labkit.hub): no weights are read
+    from labkit.zoo import hub
+    if hub.is_hub_id(model):  # config.json only, from the HF cache (labkit.zoo.hub): no weights are read
         return config_spec(hub.resolve(model, weights=False))
     if path.suffix == ".json" or (path / "config.json").is_file():
         if not (path.is_file() or (path / "config.json").is_file()):

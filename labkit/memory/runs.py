@@ -2,7 +2,7 @@
 profile's GPU may hold (`HEADROOM` of its memory).
 
 Used by the preflight's lab check (`labkit.course.profile_check`), by the single-GPU baselines that
-need levers to fit (`single_levers` there) and by the rehearsal (`labkit.rehearsal`), which sizes every
+need levers to fit (`single_levers` there) and by the rehearsal (`labkit.runtime.rehearsal`), which sizes every
 run a notebook makes at its real size before it executes a stand-in. Introduced in notebook 00_setup.
 """
 from __future__ import annotations

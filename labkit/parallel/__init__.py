@@ -26,7 +26,7 @@ THE CONTRACT (what a strategy module `labkit/parallel/<x>.py` provides)
                   the SAME samples); pipeline / context parallel: 0 / 1. `dp_size_for` = dims' dp_size.
                   Meshes come from `self.dims.build_mesh(device_type, names)`.
    setup()        sets `self.model` and `self.optimizer`:
-                  `build_model()`        default `labkit.models.build_model(cfg.run.model)` on ctx.device;
+                  `build_model()`        default `labkit.zoo.models.build_model(cfg.run.model)` on ctx.device;
                                          lora/qlora load and adapt the model themselves (4-bit from_pretrained).
                   `parallelize(model)`   default: channels_last -> activation checkpointing -> `wrap` ->
                                          compile. Tensor parallel overrides the order (TP first, then

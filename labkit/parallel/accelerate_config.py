@@ -140,7 +140,7 @@ def resolve_plugin(config_path: str | os.PathLike) -> dict:
     args = launch_command_parser().parse_args(["--config_file", str(config_path), "train.py"])
     args, *_ = _validate_launch_command(args)
     env = prepare_multi_gpu_env(args)
-    from labkit import device as devices
+    from labkit.runtime import device as devices
 
     stub = [] if devices.cuda_present() else [
         mock.patch.object(acc_dataclasses, "is_cuda_available", lambda: True),

@@ -44,7 +44,7 @@ def run(strategy: str = "fsdp", model: str = "tiny-llama", *, profile: str = "sm
     from labkit.profiles import get_profile
     from labkit.train.api import record_of
 
-    from labkit import rehearsal
+    from labkit.runtime import rehearsal
 
     cfg = for_strategy(strategy, profile, nproc=nproc, **changes)
     use_cpu = get_profile(profile).device == "cpu"
@@ -54,10 +54,10 @@ def run(strategy: str = "fsdp", model: str = "tiny-llama", *, profile: str = "sm
     run_id = f"acc-{int(time.time() * 1e3) % 10**10}"
     args = ["--strategy", strategy, "--model", model, "--profile", profile, "--steps", str(steps), "--out", str(out),
             "--seed", str(seed), "--run-id", run_id, "--config", str(path)]
-    from labkit import rank_guard
+    from labkit.runtime import rank_guard
 
     cmd = launch_command(path, args)
-    cmd.insert(cmd.index("-m") + 1, rank_guard.__name__)  # each rank dies with accelerate (labkit.rank_guard)
+    cmd.insert(cmd.index("-m") + 1, rank_guard.__name__)  # each rank dies with accelerate (labkit.runtime.rank_guard)
     proc = subprocess.Popen(rank_guard.guarded(cmd), env={**os.environ, **launch_env(profile)}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
@@ -76,13 +76,13 @@ def run(strategy: str = "fsdp", model: str = "tiny-llama", *, profile: str = "sm
 
 
 def _rehearse(strategy: str, model: str, path: Path, *, profile: str, nproc: int, steps: int, out: str, seed: int):
-    """A rehearsal's stand-in (labkit.rehearsal): accelerate's FSDP1 needs CUDA, which a rehearsal does not
+    """A rehearsal's stand-in (labkit.runtime.rehearsal): accelerate's FSDP1 needs CUDA, which a rehearsal does not
     have, so the config written above is resolved the way `accelerate launch` reads it on the node
     (`resolve_plugin`), labkit's own `strategy` trains in its place, and the record carries accelerate's
     facts as that plugin predicts them: an unmeasured prediction, marked `rehearsal`."""
     import dataclasses
 
-    from labkit import device as devices
+    from labkit.runtime import device as devices
     from labkit import results
     from labkit.facts import AccelerateFacts
     from labkit.parallel.accelerate_config import resolve_plugin
@@ -142,7 +142,7 @@ def _train(args) -> None:
     from accelerate import Accelerator
 
     from labkit import results
-    from labkit.models import build_model
+    from labkit.zoo.models import build_model
     from labkit.train import metrics
     from labkit.train.api import make_config
     from labkit.train.data import StepLoader, build_datasets, make_task
@@ -175,7 +175,7 @@ def _train(args) -> None:
         times.append(time.perf_counter() - t0)
     held = metrics.resident_bytes(model, optimizer, accelerator.device)
     # The CUDA allocator's peak on GPU (unverified on hardware here); CPU runs record 0 (not tracked).
-    from labkit import device as devices
+    from labkit.runtime import device as devices
     peak = devices.max_memory_allocated(accelerator.device)
     per_rank = accelerator.gather_for_metrics([(*held, peak)], use_gather_object=True)
     if accelerator.is_main_process:
@@ -187,7 +187,6 @@ def _record(args, cfg, facts: dict, losses: list, times: list, per_rank: list, n
     """The RunRecord of an accelerate run, named after what ran (peak memory is not tracked here)."""
     from labkit import results
     from labkit.facts import AccelerateFacts, TrainFacts
-    from labkit.profiles import get_profile
     from labkit.train import metrics
     from labkit.train.config import AMP_DTYPES
 
@@ -198,7 +197,7 @@ def _record(args, cfg, facts: dict, losses: list, times: list, per_rank: list, n
         steps=len(losses), losses=losses, step_time_s=step, samples_per_s=cfg.optim.batch / step if step else 0.0,
         peak_bytes=list(cols[4]), param_bytes=list(cols[0]), grad_bytes=list(cols[1]),
         optimizer_bytes=list(cols[2]), cpu_offload_bytes=list(cols[3]), trainable_params=n_params,
-        device=get_profile(cfg.run.profile).device,
+        device=cfg.profile.device,
         # The dtype accelerate trained in (the config's mixed_precision), not the profile's default.
         dtype=AMP_DTYPES[{"no": "none"}.get(facts["mixed_precision"], facts["mixed_precision"])],
         global_batch=cfg.optim.batch,

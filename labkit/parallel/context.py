@@ -180,7 +180,7 @@ class ContextParallelStrategy(Strategy):
         if cfg.kind != "llm":
             raise ConfigError(f"context-parallel splits token sequences; {cfg.run.model!r} is not an LLM: "
                               "use --model tiny-llama")
-        from labkit.models import llm_config
+        from labkit.zoo.models import llm_config
         if getattr(llm_config(cfg.run.model), "num_local_experts", 0):
             raise ConfigError(f"context-parallel runs dense models (the MoE balance loss is per whole sequence); "
                               f"{cfg.run.model!r} has experts: use --strategy expert-parallel, or --model tiny-llama")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from labkit import device as devices
+from labkit.runtime import device as devices
 from labkit.errors import ConfigError
 from labkit.parallel import comm
 from labkit.parallel.single import Strategy

@@ -120,8 +120,8 @@ class ParallelDims:
     def build_mesh(self, device, names: tuple[str, ...] | None = None):
         """The DeviceMesh over the job's ranks with named dims (built from the process group torchrun set up;
         `mesh["tp"]` is this rank's TP group), of the device type of the run's `device` (`ctx.device`:
-        `labkit.device.mesh`, which a rehearsal records). Collective: every rank calls it."""
-        from labkit import device as devices
+        `labkit.runtime.device.mesh`, which a rehearsal records). Collective: every rank calls it."""
+        from labkit.runtime import device as devices
 
         shape, names = self.mesh_shape(names)
         return devices.mesh(device, shape, names)

@@ -43,7 +43,7 @@ def build(ops: tuple[str, ...] = OPS) -> list[str]:
 
 
 def has_nvidia_gpu() -> bool:
-    from labkit import cudadriver
+    from labkit.runtime import cudadriver
 
     return bool(cudadriver.nvidia_smi())
 

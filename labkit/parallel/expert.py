@@ -133,7 +133,7 @@ class ExpertParallelStrategy(Strategy):
 
     @classmethod
     def check(cls, cfg, world_size: int) -> None:
-        from labkit.models import llm_config
+        from labkit.zoo.models import llm_config
 
         experts = getattr(llm_config(cfg.run.model), "num_local_experts", 0) if cfg.kind == "llm" else 0
         if not experts:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from labkit import device as devices
+from labkit.runtime import device as devices
 from labkit.errors import ConfigError, choices_error
 from labkit.parallel import comm, loading
 from labkit.parallel.dims import DP_DIMS, ParallelDims

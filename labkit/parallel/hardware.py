@@ -287,7 +287,7 @@ def record_measurement(gpu: str, precision: str, tflops: float, *, tool: str, pa
 
     `path` defaults to $LABKIT_MATMUL_FILE, else matmul_efficiency.json in labkit's cache folder; the planner
     never reads it on its own (pass it as `measured=`)."""
-    from labkit.cache import cache_root
+    from labkit.zoo.cache import cache_root
 
     spec = gpu_spec(gpu)
     path = Path(path or os.environ.get(PERF_FILE_ENV) or cache_root() / PERF_FILE_NAME).expanduser()

@@ -37,10 +37,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def build_on_rank0(name: str, rank: int, *, seed: int = 0) -> nn.Module:
     """The real model on rank 0 (in host memory), the same architecture on the meta device elsewhere.
 
-    `name` is an LLM preset or a local checkpoint folder (`labkit.models.build_llm` semantics: a
+    `name` is an LLM preset or a local checkpoint folder (`labkit.zoo.models.build_llm` semantics: a
     preset is initialised from `seed`, so rank 0 holds exactly what every DDP rank would build).
     """
-    from labkit.models import build_llm, is_llm, llm_config
+    from labkit.zoo.models import build_llm, is_llm, llm_config
 
     if not is_llm(name):
         raise ConfigError(f"memory-efficient loading is for LLMs (presets or checkpoint folders), not {name!r}")

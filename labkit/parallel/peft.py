@@ -173,7 +173,7 @@ def sized(model: str, strategies, profile: str, **options) -> dict[str, dict]:
     node = get_profile(profile)
     found = {}
     for strategy in strategies:
-        cfg = from_dict({"strategy": strategy, "model": model, "profile": node.name, **options}).resolve()
+        cfg = from_dict({"strategy": strategy, "model": model, "profile": node.name, **options}).resolve(node)
         found[strategy] = {"describe": stand_in.describe(cfg), **stand_in.size(cfg, node)}
     return found
 
@@ -231,7 +231,7 @@ class LoraStrategy(Strategy):
                               "parameters; use --optimizer adamw with --lora-parallel fsdp, or --lora-parallel ddp")
 
     def build_model(self) -> nn.Module:
-        from labkit.models import build_model
+        from labkit.zoo.models import build_model
         # The frozen base in the run's 16-bit compute dtype (what the estimator counts: 2 B/param under
         # bf16), not fp32 -- and never in whatever dtype a checkpoint happened to be saved in.
         dtype = frozen_base_dtype(self.cfg.precision.amp)
@@ -246,7 +246,7 @@ class LoraStrategy(Strategy):
             return model
         if self.cfg.peft.lora_parallel == "fsdp":
             return _apply_fsdp(model, self.ctx, self.cfg)
-        from labkit import device as devices
+        from labkit.runtime import device as devices
         from labkit.parallel.ddp import apply_ddp
         return devices.stand_in_ddp(apply_ddp(model, self.ctx.group, cfg=self.cfg))  # DDP all-reduces only the adapters' grads
 

@@ -119,7 +119,7 @@ def build_schedule(stage_module: nn.Module, group, *, schedule: str, microbatche
 def pipeline_stage(module: nn.Module, index: int, stages: int, device, group, *, example=None, autocast=None):
     """`PipelineStage(module, index, stages, device, group=group)`. Stages normally learn each other's
     activation shapes by exchanging them at the first step; torch's fake process group (a rehearsal,
-    labkit.rehearsal) exchanges nothing, so there the stage gets its static metadata instead: the input
+    labkit.runtime.rehearsal) exchanges nothing, so there the stage gets its static metadata instead: the input
     and output of a local forward of one zero micro-batch of shape `example` = (micro-batch, tokens),
     under the run's `autocast` (the output's dtype), and gradients of their shapes."""
     import contextlib
@@ -169,7 +169,7 @@ class PipelineStrategy(Strategy):
 
     @classmethod
     def check(cls, cfg, world_size: int) -> None:
-        from labkit.models import llm_config
+        from labkit.zoo.models import llm_config
 
         if cfg.kind != "llm":
             raise ConfigError(f"strategy {cfg.run.strategy!r} splits a transformer by layers; {cfg.run.model!r} is not "
@@ -189,7 +189,7 @@ class PipelineStrategy(Strategy):
 
     def build_model(self) -> nn.Module:
         # Built on the host; only this rank's stage moves to the device in `wrap`.
-        from labkit.models import build_model
+        from labkit.zoo.models import build_model
         model = build_model(self.cfg.run.model, seed=self.cfg.run.seed)
         self.full_params = sum(p.numel() for p in model.parameters())
         self.embed_params = model.get_input_embeddings().weight.numel()

@@ -137,7 +137,7 @@ class VirtualPipelineStrategy(PipelineStrategy):
 
     @classmethod
     def check(cls, cfg, world_size: int) -> None:
-        from labkit.models import llm_config
+        from labkit.zoo.models import llm_config
         from labkit.parallel.pipeline import microbatches_for
 
         super().check(cfg, world_size)

@@ -37,15 +37,15 @@ def load_4bit(path: str | os.PathLike, *, device: torch.device | str = "cpu",
     """`from_pretrained(path)` with every block linear quantized to NF4 while loading.
 
     The same call a GPU user makes on a real checkpoint; smoke runs save a preset first
-    (`labkit.models.save_llm`). bitsandbytes quantizes each weight flattened in blocks of 64, so
+    (`labkit.zoo.models.save_llm`). bitsandbytes quantizes each weight flattened in blocks of 64, so
     only the element count must divide by 64 (tiny-llama's 64 x 32 k_proj does).
     """
     from transformers import AutoModelForCausalLM
 
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"{path} is not a saved model (no config.json); create one with "
-                          "labkit.models.save_llm('tiny-llama', path) or pass a local checkpoint folder")
-    from labkit import device as devices
+                          "labkit.zoo.models.save_llm('tiny-llama', path) or pass a local checkpoint folder")
+    from labkit.runtime import device as devices
 
     device = torch.device(device)
     # the GPU's index on the node; a rehearsal loads on the CPU standing in for it
@@ -146,14 +146,14 @@ class QLoraStrategy(LoraStrategy):
     def base_checkpoint(self) -> Path:
         """The folder `from_pretrained` loads: the checkpoint itself, or (smoke) the seeded preset saved
         once to OUT/base/<model>-seed<seed>, like a downloaded checkpoint. Rank 0 writes it."""
-        from labkit import rehearsal
-        from labkit.models import checkpoint_dir
+        from labkit.runtime import rehearsal
+        from labkit.zoo.models import checkpoint_dir
         folder = checkpoint_dir(self.cfg.run.model)  # a local checkpoint or a cached HF id
         if folder is not None and not rehearsal.active():  # a rehearsal saves its stand-in instead
             return folder
         path = Path(self.cfg.run.out) / "base" / f"{self.cfg.run.model.replace('/', '--')}-seed{self.cfg.run.seed}"
         if self.ctx.is_main and not (path / "config.json").is_file():
-            from labkit.models import save_llm
+            from labkit.zoo.models import save_llm
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=path.parent))
             save_llm(self.cfg.run.model, tmp, seed=self.cfg.run.seed)

@@ -48,7 +48,7 @@ def compare_rank(rank: int, world: int, model: str = "tiny-llama", batch: int = 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from labkit.models import build_llm
+    from labkit.zoo.models import build_llm
     from labkit.parallel import tensor as T
 
     mesh = init_device_mesh("cpu", (world,))

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from labkit import device as devices
+from labkit.runtime import device as devices
 from labkit.errors import ConfigError
 from labkit.parallel.dims import ParallelDims
 from labkit.train import levers
@@ -103,7 +103,7 @@ class Strategy:
         self.optimizer = self.build_optimizer(self.model)
 
     def build_model(self) -> nn.Module:
-        from labkit.models import build_model
+        from labkit.zoo.models import build_model
         return devices.place(build_model(self.cfg.run.model, seed=self.cfg.run.seed), self.ctx.device)
 
     def parallelize(self, model: nn.Module) -> nn.Module:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from labkit import device as devices
+from labkit.runtime import device as devices
 from labkit.errors import ConfigError
 from labkit.parallel import fsdp
 from labkit.parallel.peft import LoraSettings, LoraStrategy, trainable_counts

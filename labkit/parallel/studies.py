@@ -63,7 +63,7 @@ def wrap_study_rank(spec: dict, cfg, ctx) -> None:
 
 
 def _wrap_rows(policies: dict, cfg, ctx) -> list[dict]:
-    from labkit.models import build_llm
+    from labkit.zoo.models import build_llm
 
     rows = []
     tokens = torch.arange(cfg.optim.batch // ctx.world_size * cfg.run.seq_len).reshape(-1, cfg.run.seq_len).to(ctx.device)
@@ -172,7 +172,7 @@ def optimizer_memory(model_name: str = "tiny-llama", *, seed: int = 0, min_8bit_
     import importlib
     import warnings
 
-    from labkit.models import build_llm
+    from labkit.zoo.models import build_llm
 
     rows = []
     for label, (module, cls_name) in LOW_BIT_OPTIMIZERS.items():

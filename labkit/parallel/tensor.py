@@ -224,7 +224,7 @@ class TensorStrategy(Strategy):
             raise ConfigError(f"strategy {cfg.run.strategy!r} splits transformer heads; {cfg.run.model!r} is not an "
                               "LLM: use --model tiny-llama (or a Llama preset / checkpoint)")
         tp = tp_degree(cfg, world_size)  # ConfigError when the ranks do not form whole TP groups
-        from labkit.models import llm_config
+        from labkit.zoo.models import llm_config
         check_divisible(llm_config(cfg.run.model), tp)
         super().check(cfg, world_size)
 

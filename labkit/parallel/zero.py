@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from labkit import device as devices
+from labkit.runtime import device as devices
 from labkit.errors import ConfigError
 from labkit.parallel import comm, loading
 from labkit.parallel.deepspeed_bytes import (count_bytes, ds_grad_tensors, ds_optimizer_tensors, ds_param_tensors,
@@ -201,9 +201,8 @@ class ZeroStrategy(Strategy):
 
     @classmethod
     def launch_env(cls, cfg) -> dict[str, str]:
-        from labkit.profiles import get_profile
         # Must be in the environment before `import deepspeed` (it picks the accelerator at import).
-        return {"DS_ACCELERATOR": "cpu"} if get_profile(cfg.run.profile).device == "cpu" else {}
+        return {"DS_ACCELERATOR": "cpu"} if cfg.profile.device == "cpu" else {}
 
     @classmethod
     def check(cls, cfg, world_size: int) -> None:

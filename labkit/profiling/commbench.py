@@ -20,7 +20,7 @@ notebook 09 and `labkit bench comm` write it and notebook 03's ring model and `l
 (`default_file`, `load_measured_bandwidth`). On a GPU node the defaults measure like nccl-tests: every GPU
 (`default_nproc`), messages up to 1 GiB (`GPU_SIZES`), since busbw only reaches the link's plateau for
 large messages. Run on ranks as `python -m labkit.profiling.commbench ...` (the CLI does it through
-`labkit.launch`). Introduced in notebook 09_beyond_3d.
+`labkit.runtime.launch`). Introduced in notebook 09_beyond_3d.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ GPU_SIZES = "1K,64K,1M,16M,256M,1G"
 PLATEAU_BYTES = 256 * 2**20
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 _ELEMENT = 4  # fp32
-#: Largest message a rehearsal allocates (labkit.rehearsal): the node's 1G buffers are host RAM here.
+#: Largest message a rehearsal allocates (labkit.runtime.rehearsal): the node's 1G buffers are host RAM here.
 REHEARSAL_MAX_BYTES = 2**20
 
 
@@ -133,7 +133,7 @@ def _call(op: str, inp, out, group) -> None:
 
 
 def _sync(device) -> None:
-    from labkit import device as devices
+    from labkit.runtime import device as devices
 
     devices.synchronize(device)  # GPU path (unverified on hardware here): kernels run async on the stream
 
@@ -170,7 +170,7 @@ def run_rank(ops, sizes, *, warmup: int, iters: int) -> list[CommMeasurement]:
 
 
 def rehearse(nproc: int, sizes: list[int], ops: list[str], *, warmup: int, iters: int, out: str | Path) -> Path:
-    """A rehearsal's `labkit bench comm` (labkit.rehearsal): rank 0 of the `nproc` ranks in this process
+    """A rehearsal's `labkit bench comm` (labkit.runtime.rehearsal): rank 0 of the `nproc` ranks in this process
     over torch's fake process group, the sizes capped at REHEARSAL_MAX_BYTES; the file is written as on
     the node, its times are of collectives that send nothing (not measurements)."""
     import torch.distributed as dist
@@ -211,7 +211,7 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    from labkit import device as devices
+    from labkit.runtime import device as devices
 
     # NCCL needs one GPU per local rank; fewer GPUs than ranks (or none) measure gloo on the CPU.
     gpu = len(devices.gpus()) >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))

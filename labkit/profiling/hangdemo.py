@@ -1,6 +1,6 @@
 """A deliberate hang, and how to find it: one rank skips a collective (notebook 09_beyond_3d).
 
-Run on ranks as `python -m labkit.profiling.hangdemo --skip-rank 1 --skip-step 2` (through `labkit.launch.run`
+Run on ranks as `python -m labkit.profiling.hangdemo --skip-rank 1 --skip-step 2` (through `labkit.runtime.launch.run`
 with a short `hang_timeout_s`: counted from when both ranks are up, `launch.rank_ready()`). Every step
 all-reduces the loss for logging; the skipping rank "forgets" that all-reduce at one step -- the classic
 bug of a collective inside a branch that not all ranks take -- and goes on to the end-of-run barrier. Its peer waits in the all-reduce forever: gloo and
@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     p.add_argument("--skip-step", type=int, default=2)
     p.add_argument("--dump-after", type=float, default=5.0, help="seconds before each rank dumps its stacks")
     a = p.parse_args(argv)
-    from labkit import launch
+    from labkit.runtime import launch
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: dump now
     # ... and when the launcher stops the hung run (SIGTERM): the stacks are in the log whatever the timing

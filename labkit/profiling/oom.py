@@ -207,7 +207,7 @@ def optimizer_state_bytes(name: str, model: str = "tiny-llama") -> int:
     """Optimizer state after one real step of a full fine-tune of `model` (labkit.optim names)."""
     import torch
 
-    from labkit.models import build_llm
+    from labkit.zoo.models import build_llm
     from labkit.optim import build_optimizer
     from labkit.train.metrics import tensor_bytes
 
@@ -225,7 +225,7 @@ def nf4_weight_bytes(model: str = "tiny-llama") -> dict:
     """{'before': bf16 bytes, 'after': NF4 bytes incl. quantization constants} of `model`'s weights."""
     import tempfile
 
-    from labkit.models import save_llm
+    from labkit.zoo.models import save_llm
     from labkit.parallel.qlora import load_4bit, weight_bytes
 
     with tempfile.TemporaryDirectory(prefix="labkit-nf4-") as tmp:

@@ -92,7 +92,7 @@ class StepTracer:
 
     @classmethod
     def for_run(cls, cfg, ctx) -> "StepTracer":
-        from labkit import device as devices
+        from labkit.runtime import device as devices
         check(cfg, devices.mesh_device_type(ctx.device))
         return cls(profile_dir(cfg), window(cfg), device=ctx.device, is_main=ctx.is_main,
                    tool=getattr(getattr(cfg, "profiling", None), "trace_with", "torch"),
@@ -107,14 +107,14 @@ class StepTracer:
         mark = torch.autograd.profiler.record_function(f"{STEP_PREFIX}{local + 1}")
         mark.__enter__()
         self._marks.append(mark)
-        from labkit import device as devices
+        from labkit.runtime import device as devices
         if devices.is_gpu(self.device):
             devices.nvtx_push(f"{STEP_PREFIX}{local + 1}")
 
     def after(self, local: int) -> None:
         if local not in self.steps or not self._marks:
             return
-        from labkit import device as devices
+        from labkit.runtime import device as devices
         if devices.is_gpu(self.device):
             devices.nvtx_pop()
         self._marks.pop().__exit__(None, None, None)
@@ -124,7 +124,7 @@ class StepTracer:
     def _start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
 
-        from labkit import device as devices
+        from labkit.runtime import device as devices
         cuda = devices.is_gpu(self.device)
         if cuda:
             # The allocator's own history (stack per allocation), for pytorch.org/memory_viz.
@@ -142,7 +142,7 @@ class StepTracer:
         if not self._recording:
             return
         self._recording = False
-        from labkit import device as devices
+        from labkit.runtime import device as devices
         while self._marks:  # a run stopped inside the window (deadline): close the open step
             self._marks.pop().__exit__(None, None, None)
         if self.prof is not None:

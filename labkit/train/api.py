@@ -2,8 +2,8 @@
 
 `run(strategy='single', ...)` trains in this process (a notebook keeps its imports warm); any
 strategy that needs a process group, or `nproc > 1`, is launched under torchrun through
-`labkit.launch.run` and the record is read back from OUT/results.jsonl by its run id.
-In a rehearsal (`labkit.rehearsal`) `make_config` sizes every run at its real size first, then hands
+`labkit.runtime.launch.run` and the record is read back from OUT/results.jsonl by its run id.
+In a rehearsal (`labkit.runtime.rehearsal`) `make_config` sizes every run at its real size first, then hands
 back the stand-in the rehearsal executes, and `run` launches it in this process over the fake group.
 Introduced in notebook 02_single_gpu.
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import uuid
 
-from labkit import parallel, rehearsal, results
+from labkit import parallel, results
+from labkit.runtime import rehearsal
 from labkit.train import stand_in
 from labkit.errors import ConfigError
 from labkit.train.checkpoint import Deadline
@@ -41,8 +42,7 @@ def make_config(strategy: str, model: str, *, rehearse_as: str | None = "run", r
         Deadline(parse_deadline(cfg.checkpoint.deadline), cfg.checkpoint.deadline_margin_s).check_start()
     if cfg.profiling.trace_steps:  # the trace window must fit the run (labkit.profiling.profiler), also before a launch
         from labkit.profiling import profiler as profiling
-        from labkit.profiles import get_profile
-        profiling.check(cfg, get_profile(cfg.run.profile).device)
+        profiling.check(cfg, cfg.profile.device)
     if rehearse_as:
         cls = parallel.strategy_class(cfg.run.strategy)
         stand_in.check_launch(cfg, via=rehearse_as, launched=cfg.world_size > 1 or cls.needs_process_group,
@@ -59,17 +59,17 @@ def run(strategy: str, model: str, *, timeout_s: float | None = None, stream: bo
     to its section; an unknown name is a ConfigError listing the valid ones.
     """
     cfg = make_config(strategy, model, **options)
-    require_hardware(cfg.run.profile)
+    require_hardware(cfg.profile)
     cls = parallel.strategy_class(cfg.run.strategy)
     if cfg.world_size == 1 and not cls.needs_process_group:
         return _in_process(cfg)
     if rehearsal.active():  # the node's launch, stood in for in this process (labkit.train.stand_in)
         stand_in.launch([cfg], env=cls.launch_env(cfg))
         return record_of(cfg.run.out, cfg.run.run_id)
-    from labkit import launch, rank_pool
+    from labkit.runtime import launch, rank_pool
 
-    # Warm ranks (labkit.rank_pool) in a notebook: the ranks of the previous run take this one if they can
-    # (only a pool started with the same threads: labkit.rank_pool.PoolKey).
+    # Warm ranks (labkit.runtime.rank_pool) in a notebook: the ranks of the previous run take this one if they can
+    # (only a pool started with the same threads: labkit.runtime.rank_pool.PoolKey).
     rank_pool.run(WORKER, ["--config-json", cfg.to_json()], nproc=cfg.launch.nproc, timeout_s=_timeout(cfg, timeout_s),
                   env=cls.launch_env(cfg), nnodes=cfg.launch.nnodes, node_rank=cfg.launch.node_rank,
                   rdzv_endpoint=cfg.launch.rdzv_endpoint, stream=stream, group=process_group(cfg),
@@ -83,16 +83,14 @@ def run(strategy: str, model: str, *, timeout_s: float | None = None, stream: bo
 def process_group(cfg: TrainConfig) -> str:
     """What the ranks' process group is made of (labkit.train.worker.join_group): warm ranks serve only
     runs that agree on it."""
-    from labkit.profiles import get_profile
-
-    prof = get_profile(cfg.run.profile)
+    prof = cfg.profile
     return f"{prof.backend}/{prof.device}/{prof.collective_timeout_s:g}"
 
 
-def require_hardware(profile: str) -> None:
+def require_hardware(profile) -> None:
     """HardwareError in one line when this machine lacks the profile's GPUs (before any launch):
-    `labkit.envinfo.require`. CPU profiles pass without querying devices; so does a rehearsal."""
-    from labkit import envinfo
+    `labkit.runtime.envinfo.require`. CPU profiles pass without querying devices; so does a rehearsal."""
+    from labkit.runtime import envinfo
     envinfo.require(profile)
 
 
@@ -125,9 +123,7 @@ def record_of(out, run_id: str) -> results.RunRecord:
 
 def _timeout(cfg: TrainConfig, timeout_s: float | None) -> float:
     """The profile's wall-clock limit, stretched to the deadline (plus a minute) when one is given."""
-    from labkit.profiles import get_profile
-
-    limit = timeout_s or get_profile(cfg.run.profile).timeout_s
+    limit = timeout_s or cfg.profile.timeout_s
     if cfg.checkpoint.deadline:
         import datetime as _dt
         left = (parse_deadline(cfg.checkpoint.deadline) - _dt.datetime.now(_dt.timezone.utc)).total_seconds()

@@ -14,13 +14,13 @@ from typing import Callable
 
 import torch
 
-from labkit import device as devices
+from labkit.runtime import device as devices
 from labkit.errors import ConfigError
 from labkit.train.metrics import free_device_memory
 
 MiB = 2 ** 20
 #: A rehearsal's probe steps at most this micro-batch on its stand-in model (the node's allocator is
-#: simulated from the estimator at the probed size; labkit.rehearsal).
+#: simulated from the estimator at the probed size; labkit.runtime.rehearsal).
 REHEARSAL_BATCH = 2  # two samples: BatchNorm trains on no fewer
 #: Probe cap: large enough that a ResNet-50 on an 80 GB GPU runs out of memory first (doubling makes
 #: the cap cost one probe per factor of 2, and the first failure ends the growth).
@@ -108,7 +108,7 @@ def _step_peak(hook, cfg, b: int) -> int | None:
     """Peak bytes of one training step at micro-batch b, or None when the device ran out of memory."""
     from labkit.train.metrics import PeakMemory
 
-    from labkit import rehearsal
+    from labkit.runtime import rehearsal
     from labkit.train import stand_in
 
     device = hook.ctx.device
@@ -141,7 +141,7 @@ def find_max_batch(model: str, *, profile: str = "smoke", budget_mb: float | Non
     the probes' cached blocks. The device memory is freed at the end.
     """
     if isolate is None:
-        from labkit import rehearsal
+        from labkit.runtime import rehearsal
         from labkit.profiles import get_profile
 
         isolate = get_profile(profile).device == "cuda" and not rehearsal.active()
@@ -183,7 +183,7 @@ def memory_breakdown(model: str, *, profile: str = "smoke", batch: int | None = 
     from labkit.train import stand_in
 
     cfg, hook = _probe_hook(model, profile, **options)
-    from labkit import rehearsal
+    from labkit.runtime import rehearsal
 
     batch = batch or cfg.optim.batch
     stand_in.simulate_oom(cfg.replace(batch=batch))  # sized at the real batch; a rehearsal executes a small one

@@ -8,8 +8,9 @@ Field names are unique over all sections, so `labkit.train.run(amp='bf16', lora_
 dataclasses) maps each to its section, and the CLI options are generated from the same dataclasses
 and their field docstrings (`labkit.cli.options`), so help, defaults and names cannot drift.
 Precedence (STYLE.md #4): dataclass defaults < profile (`labkit.profiles`) < CLI / `run()` arguments.
-Fields left `None` take the profile's value in `resolve()`; the launched ranks receive the resolved
-config as JSON, so every rank runs exactly the same settings. Introduced in notebook 02_single_gpu.
+Fields left `None` take the profile's value in `resolve()`, which keeps the `Profile` too (`cfg.profile`):
+looked up once where a run starts, it reaches the ranks inside the resolved config's JSON, so every rank
+runs exactly the same settings. Introduced in notebook 02_single_gpu.
 """
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit import hub, optim, parallel, presets
+from labkit import optim, parallel
 from labkit.errors import ConfigError, choices_error
+from labkit.profiles import Profile
+from labkit.zoo import hub, presets
 
 AMP_MODES = ("bf16", "fp16", "none")
 _AMP_OF_DTYPE = {"float32": "none", "bfloat16": "bf16", "float16": "fp16"}
@@ -45,7 +48,7 @@ class RunSection:
     """Registry name in `labkit.parallel.STRATEGIES` ('single', 'ddp', 'fsdp', ...)."""
     model: str
     """Model preset ('tiny-resnet', 'tiny-llama', 'resnet50', 'tinyllama-1.1b', ...), local LLM folder or a
-    Hugging Face id 'ORG/NAME' in the HF cache (`labkit fetch ID`; labkit.hub)."""
+    Hugging Face id 'ORG/NAME' in the HF cache (`labkit fetch ID`; labkit.zoo.hub)."""
     profile: str = "smoke"
     """Profile name (`labkit.profiles.PROFILES`): device, default batch, lr, steps."""
     steps: int | None = None
@@ -98,7 +101,7 @@ class LaunchSection:
     """HOST:PORT of the rendezvous (the head node) when nnodes > 1."""
     threads: int | None = None
     """Intra-op (OpenMP) threads per rank, also for a run in this process; default: a launched rank gets
-    `labkit.launch.cpu_threads` (1, or cores / ranks for CPU-heavy strategies), an in-process run torch's
+    `labkit.runtime.launch.cpu_threads` (1, or cores / ranks for CPU-heavy strategies), an in-process run torch's
     default (every core). Give runs you compare by time the same count (notebook 03's ladder: 1)."""
 
     def __post_init__(self) -> None:
@@ -249,8 +252,12 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     peft: PeftSection = field(default_factory=PeftSection)
     profiling: ProfilingSection = field(default_factory=ProfilingSection)
+    resolved_profile: Profile | None = None
+    """The Profile `resolve()` filled the config from (None before): read it as `cfg.profile`."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.resolved_profile, (Profile, type(None))):
+            raise ConfigError(f"TrainConfig.resolved_profile={self.resolved_profile!r}; let cfg.resolve() set it")
         for name, cls in SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"TrainConfig.{name} must be a {cls.__name__}, not {getattr(self, name)!r}; "
@@ -278,6 +285,14 @@ class TrainConfig:
     def world_size(self) -> int:
         return self.launch.nproc * self.launch.nnodes
 
+    @property
+    def profile(self) -> Profile:
+        """The resolved run's Profile (its name: `cfg.run.profile`); ConfigError before `resolve()`."""
+        if self.resolved_profile is None:
+            raise ConfigError(f"this TrainConfig ({self.run.strategy}, {self.run.model}) is not resolved yet; "
+                              "build it with labkit.train.make_config or call cfg.resolve() before running it")
+        return self.resolved_profile
+
     def flat(self) -> dict:
         """{field: value} with the flat names `run()` and the CLI use (the inverse of `from_dict`)."""
         return {name: getattr(getattr(self, section), name) for name, section in FIELD_SECTION.items()}
@@ -292,17 +307,20 @@ class TrainConfig:
             if name in FIELD_SECTION:
                 section = FIELD_SECTION[name]
                 sections[section] = dataclasses.replace(sections.get(section, getattr(self, section)), **{name: value})
+        if "run" in sections and self.resolved_profile is not None and \
+                sections["run"].profile != self.resolved_profile.name:
+            sections["resolved_profile"] = None  # another profile: resolve() again
         return dataclasses.replace(self, **sections)
 
-    def resolve(self, profile=None) -> "TrainConfig":
-        """A copy with every `None` replaced by the profile's value and an empty `out` by the results root
-        (idempotent). `amp` left None takes
-        the profile's dtype: a run that must be fp32 on every profile (a baseline) says amp='none'.
-        `profile`: a `Profile` object standing in for the named one (`labkit.course.profile_check` sizes
-        changed profiles with it)."""
+    def resolve(self, profile: Profile | None = None) -> "TrainConfig":
+        """A copy with every `None` replaced by the profile's value, an empty `out` by the results root, and
+        the Profile kept (`cfg.profile`): the one place a run looks its profile up by name (idempotent: a
+        resolved config keeps its Profile). `amp` left None takes the profile's dtype: a run that must be
+        fp32 on every profile (a baseline) says amp='none'. `profile`: a `Profile` object standing in for
+        the named one (`labkit.course.profile_check` sizes changed profiles with it)."""
         from labkit.profiles import get_profile
 
-        prof = profile if profile is not None else get_profile(self.run.profile)
+        prof = profile or self.resolved_profile or get_profile(self.run.profile)
         llm = self.kind == "llm"
         fill = dict(steps=prof.steps, lr=prof.lr, amp=_AMP_OF_DTYPE[prof.dtype],
                     batch=prof.llm_batch if llm else prof.image_batch, seq_len=prof.seq_len,
@@ -312,7 +330,7 @@ class TrainConfig:
         if not flat["out"]:  # the results root: $LABKIT_RUNS, else runs
             from labkit.results import runs_root
             fill["out"] = runs_root()
-        return self.replace(**fill)
+        return dataclasses.replace(self.replace(**fill), resolved_profile=prof)
 
     def to_json(self) -> str:
         """Nested JSON: {"run": {...}, "launch": {...}, ...}."""
@@ -325,7 +343,8 @@ class TrainConfig:
 
 
 #: section name -> its dataclass, in TrainConfig's order.
-SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(TrainConfig)[f.name] for f in dataclasses.fields(TrainConfig)}
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(TrainConfig)[f.name] for f in dataclasses.fields(TrainConfig)
+                             if f.name != "resolved_profile"}
 #: flat field name (run() keyword, CLI option) -> its section: THE table, generated from the dataclasses.
 FIELD_SECTION: dict[str, str] = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 
@@ -334,8 +353,11 @@ def from_dict(values: dict) -> TrainConfig:
     """TrainConfig from flat keyword values ({'amp': 'bf16', ...}), nested sections ({'precision': {...}})
     or both; unknown names are a ConfigError listing the valid ones."""
     grouped: dict[str, dict] = {section: {} for section in SECTIONS}
+    resolved = None
     for key, value in values.items():
-        if key in SECTIONS and isinstance(value, dict):
+        if key == "resolved_profile":  # a resolved config's JSON (to_json): its Profile, rebuilt and re-validated
+            resolved = Profile(**value) if isinstance(value, dict) else value
+        elif key in SECTIONS and isinstance(value, dict):
             for name, inner in value.items():
                 if FIELD_SECTION.get(name) != key:
                     valid = [n for n, s in FIELD_SECTION.items() if s == key]
@@ -348,7 +370,7 @@ def from_dict(values: dict) -> TrainConfig:
     missing = [k for k in ("strategy", "model") if grouped["run"].get(k) is None]
     if missing:
         raise ConfigError(f"training needs {' and '.join(missing)}: e.g. strategy='single', model='tiny-resnet'")
-    return TrainConfig(**{section: cls(**grouped[section]) for section, cls in SECTIONS.items()})
+    return TrainConfig(**{section: cls(**grouped[section]) for section, cls in SECTIONS.items()}, resolved_profile=resolved)
 
 
 def model_kind(name: str) -> str:

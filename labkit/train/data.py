@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from labkit import presets
+from labkit.zoo import presets
 from labkit.errors import ConfigError
 from labkit.train.imagecache import cached_image_folder
 
@@ -41,7 +41,7 @@ class Task:
     moe_top_k: int = 0
     """Experts per token of a mixture-of-experts LLM (tiny-moe); 0 for a dense model."""
     aux_loss_coef: float = 0.0
-    """Weight of the MoE load-balancing loss (`labkit.moe.balance_loss`) added to the training loss."""
+    """Weight of the MoE load-balancing loss (`labkit.zoo.moe.balance_loss`) added to the training loss."""
 
     @property
     def tokens_per_sample(self) -> int:
@@ -59,8 +59,8 @@ class Task:
     def loss(self, model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not self.moe_top_k:
             return self.criterion(self.logits(model, inputs), targets)
-        out = model(inputs)  # MoE: + the routers' load-balancing loss (labkit.moe, notebook 09)
-        from labkit.moe import balance_loss
+        out = model(inputs)  # MoE: + the routers' load-balancing loss (labkit.zoo.moe, notebook 09)
+        from labkit.zoo.moe import balance_loss
         aux = balance_loss(out.router_logits, top_k=self.moe_top_k, batch=inputs.shape[0])
         return self.criterion(out.logits, targets) + self.aux_loss_coef * aux
 
@@ -68,8 +68,8 @@ class Task:
 def make_task(cfg) -> Task:
     """The task of a resolved TrainConfig's model."""
     if cfg.kind == "llm":
-        from labkit.models import llm_config
-        from labkit.moe import moe_facts
+        from labkit.zoo.models import llm_config
+        from labkit.zoo.moe import moe_facts
         config = llm_config(cfg.run.model)
         moe = moe_facts(config)
         return Task("llm", config.vocab_size, cfg.run.seq_len, moe_top_k=moe["top_k"], aux_loss_coef=moe["aux_coef"])
@@ -134,11 +134,11 @@ class TokenSequences(Dataset):
 
 def tokenize_text(path: Path, model: str, vocab: int) -> torch.Tensor:
     """Token ids of a text file: the checkpoint's tokenizer when it has one, else UTF-8 bytes (vocab >= 256)."""
-    from labkit.fetch import jsonl_text
+    from labkit.zoo.fetch import jsonl_text
 
-    # .jsonl: an instruction set (labkit.fetch.TEXT_SETS), one '### Instruction / Response' text per record
+    # .jsonl: an instruction set (labkit.zoo.fetch.TEXT_SETS), one '### Instruction / Response' text per record
     text = jsonl_text(path) if path.suffix == ".jsonl" else path.read_text(encoding="utf-8")
-    from labkit.models import checkpoint_dir
+    from labkit.zoo.models import checkpoint_dir
 
     folder = checkpoint_dir(model, weights=False)
     if folder is not None and (folder / "tokenizer_config.json").is_file():
@@ -164,11 +164,11 @@ def build_datasets(cfg, task: Task) -> tuple[Dataset, Dataset | None]:
     source = cfg.run.data
     if source == "tiny":
         source = str(TINY_TEXT if task.kind == "llm" else TINY_IMAGES)
-    from labkit.fetch import TEXT_SETS, text_path
+    from labkit.zoo.fetch import TEXT_SETS, text_path
     if task.kind == "llm" and source in TEXT_SETS:  # e.g. 'dolly' from the HF cache (`labkit fetch dolly`)
         source = str(text_path(source))
     if task.kind == "vision" and source == "food11":  # where `labkit fetch food11` put it
-        from labkit import food11
+        from labkit.zoo import food11
         if not food11.is_ready(food11.default_dir()):
             raise ConfigError(f"data='food11': Food-11 is not in {food11.default_dir()}; run `labkit fetch food11` "
                               "(or set LABKIT_FOOD11 to the folder that holds it)")

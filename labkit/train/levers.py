@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from labkit import device as devices
+from labkit.runtime import device as devices
 
 _AMP_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -81,5 +81,5 @@ def apply_channels_last(model: nn.Module) -> nn.Module:
 
 def apply_compile(model: nn.Module) -> nn.Module:
     """torch.compile (TorchInductor): fuses elementwise ops; the first steps pay the compilation."""
-    from labkit import rehearsal
+    from labkit.runtime import rehearsal
     return torch.compile(model, backend=rehearsal.compile_backend())

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from labkit import device as devices
-from labkit import parallel, rehearsal, results
+from labkit.runtime import device as devices
+from labkit import parallel, results
+from labkit.runtime import rehearsal
 from labkit.profiling import profiler as profiling
 from labkit.errors import ConfigError
 from labkit.facts import TrainFacts
@@ -58,7 +59,7 @@ def configure_backends(device: torch.device) -> None:
     numbers use it). Costs a slower first step (a warm-up step, outside the median) and bitwise
     reproducibility between runs. Unverified on hardware here: the gain is measured only on a GPU.
     TF32 off for matmuls AND cuDNN convolutions (torch defaults convolutions to TF32): an fp32 run is
-    true fp32, and MFU uses the fp32 peak (`labkit.device.configure`)."""
+    true fp32, and MFU uses the fp32 peak (`labkit.runtime.device.configure`)."""
     devices.configure(device, tf32=False, cudnn_benchmark=True)
 
 
@@ -68,7 +69,7 @@ def train(cfg, ctx):
     The meshes a finished run built are destroyed with it: their NCCL communicators hold GPU memory the
     allocator's peak does not show, and a launch that runs several configs would keep them all. A run
     that raised destroys nothing (a peer may still wait in a collective: destroy would hang, issue 38 G4):
-    its groups are aborted (`labkit.device.abort_groups`) and the error goes on to the launcher."""
+    its groups are aborted (`labkit.runtime.device.abort_groups`) and the error goes on to the launcher."""
     cfg = cfg.resolve()
     meshes = devices.mesh_count()
     try:
@@ -279,9 +280,7 @@ def _record(cfg, ctx, hook, task, progress, gathered, dataset_size, ckpt):
 def _profile_peak(cfg) -> float:
     """The profile's `peak_tflops` when the run computes in the profile's dtype (a GPU missing from
     `metrics.PEAK_TFLOPS` still gets an MFU, issue 38 G8), else 0."""
-    from labkit.profiles import get_profile
-
-    prof = get_profile(cfg.run.profile)
+    prof = cfg.profile
     return prof.peak_tflops if AMP_DTYPES[cfg.precision.amp] == prof.dtype else 0.0
 
 

@@ -43,16 +43,16 @@ def run_many(runs: list, model: str, *, nproc: int = 2, out: str = "runs", strea
     with no runs the launch does only that, under a 'ddp' config of `model` and `options`.
     The time limit is the profile's per run unless `timeout_s` is given.
     """
-    from labkit import launch, parallel, rank_pool, rehearsal
+    from labkit.runtime import launch, rank_pool, rehearsal
+    from labkit import parallel
     from labkit.train import stand_in
-    from labkit.profiles import get_profile
     from labkit.train.api import make_config, process_group, record_of, require_hardware
 
-    require_hardware(options.get("profile", "smoke"))  # one line before any launch, not a rank traceback
     configs = configs_for(runs, model, nproc=nproc, out=out, **options)
     if not configs and before is None:
         raise ConfigError("run_many got no runs and no `before` hook; pass strategy names such as ['ddp', 'fsdp']")
     first = configs[0] if configs else make_config("ddp", model, nproc=nproc, out=out, **options)
+    require_hardware(first.profile)  # one line before any launch, not a rank traceback
     env: dict[str, str] = {}
     for cfg in configs:
         env.update(parallel.strategy_class(cfg.run.strategy).launch_env(cfg))
@@ -65,7 +65,7 @@ def run_many(runs: list, model: str, *, nproc: int = 2, out: str = "runs", strea
         hook = dict(first=first, before=before[0], spec=before[1]) if before else {"first": first}
         stand_in.launch(configs, first=first, env=env, train_all=lambda cfgs, ctx: train_all(cfgs, ctx, **hook))
         return [record_of(cfg.run.out, cfg.run.run_id) for cfg in configs]
-    limit = timeout_s or get_profile(first.run.profile).timeout_s * max(1, len(configs))
+    limit = timeout_s or first.profile.timeout_s * max(1, len(configs))
     heavy = any(cfg.run.strategy in launch.CPU_HEAVY_STRATEGIES for cfg in configs)
     rank_pool.run(ENTRY, args, nproc=nproc, timeout_s=limit, env=env, stream=stream,
                   threads=first.launch.threads or launch.cpu_threads(nproc, cpu_heavy=heavy), group=process_group(first))
@@ -88,7 +88,7 @@ def train_all(configs: list, ctx, *, first=None, before: str = "", spec=None) ->
     Between runs the previous run's model, optimizer and engine are collected and (on CUDA) the
     allocator's cache emptied and its peak reset: otherwise a later run starts on a device still
     holding the earlier runs' state, and its peak (and an OOM) would include them."""
-    from labkit.device import release_meshes
+    from labkit.runtime.device import release_meshes
     from labkit.train.loop import train
     from labkit.train.metrics import free_device_memory
 
@@ -102,7 +102,7 @@ def train_all(configs: list, ctx, *, first=None, before: str = "", spec=None) ->
 
 
 def parse_job(argv: list[str]):
-    """(profile, fn(ctx)) of one `run_many` launch: how warm ranks run it (labkit.rank_pool)."""
+    """(Profile, fn(ctx)) of one `run_many` launch: how warm ranks run it (labkit.runtime.rank_pool)."""
     import argparse
 
     from labkit.train.config import TrainConfig
@@ -115,7 +115,7 @@ def parse_job(argv: list[str]):
     args = parser.parse_args(argv)
     first = TrainConfig.from_json(args.first)
     configs = [TrainConfig.from_json(text) for text in json.loads(args.configs_json)]
-    return first.run.profile, lambda ctx: train_all(configs, ctx, first=first, before=args.before,
+    return first.profile, lambda ctx: train_all(configs, ctx, first=first, before=args.before,
                                                    spec=json.loads(args.before_json))
 
 

@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from labkit import device as devices
+from labkit.runtime import device as devices
 from labkit.errors import LabkitError
 
 GB = 10 ** 9

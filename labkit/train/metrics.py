@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from labkit import device as devices
+from labkit.runtime import device as devices
 from labkit.errors import ConfigError
 
 #: Dense peak TFLOPS per GPU (no 2:4 sparsity) by (name fragment, compute dtype), from the vendors' data
@@ -261,7 +261,7 @@ def peak_for(gpu_name: str, dtype: str, *, tf32: bool = False, fallback: float =
 
 
 def tf32_enabled() -> bool:
-    """True if fp32 matmuls or cuDNN convolutions may run as TF32 (`labkit.device.tf32_enabled`)."""
+    """True if fp32 matmuls or cuDNN convolutions may run as TF32 (`labkit.runtime.device.tf32_enabled`)."""
     return devices.tf32_enabled()
 
 

@@ -1,4 +1,4 @@
-"""What a rehearsal executes in place of a run (`labkit.rehearsal` says what a rehearsal is).
+"""What a rehearsal executes in place of a run (`labkit.runtime.rehearsal` says what a rehearsal is).
 
 `make_config` calls `check_launch` (the run sized at its real size on its profile, logged, and the
 node's error raised for a run the node cannot hold) and then `stand_in` (the config that executes:
@@ -14,8 +14,8 @@ import contextlib
 import sys
 from typing import Any
 
-from labkit import device as devices
-from labkit import rehearsal
+from labkit.runtime import device as devices
+from labkit.runtime import rehearsal
 from labkit.errors import ConfigError, LaunchError, RehearsalError
 
 #: Run options that are bookkeeping, not what a run is (left out of the manifest).
@@ -66,7 +66,7 @@ def check_launch(cfg, *, via: str = "run", launched: bool = False, profile_given
     from labkit.memory.runs import HEADROOM
     from labkit.profiles import get_profile
 
-    profile = get_profile(cfg.run.profile)
+    profile = cfg.profile
     verdict = size(cfg, profile)
     rehearsal.record("run", via=via, strategy=cfg.run.strategy, model=cfg.run.model, options=options_of(cfg),
                      profile=cfg.run.profile, run_id=cfg.run.run_id, exec_count=rehearsal.exec_count(),
@@ -104,9 +104,7 @@ def simulate_oom(cfg) -> None:
     the peak. Nothing outside a rehearsal or on CPU profiles."""
     if not (rehearsal.active() and devices.standing_in()):
         return
-    from labkit.profiles import get_profile
-
-    profile = get_profile(cfg.run.profile)
+    profile = cfg.profile
     verdict = size(cfg, profile)
     if not verdict["fits"]:
         raise devices.RehearsalOOM(f"CUDA out of memory (rehearsal {profile.name}): {describe(cfg)} "
@@ -175,10 +173,8 @@ def launch(configs: list, *, first=None, env: dict | None = None, train_all=None
     `train_all(configs, ctx)` (`labkit.train.many.train_all` with its hook; default: `train` per config).
     An exception becomes the LaunchError the node's launcher would raise."""
     from labkit.parallel.single import DistContext
-    from labkit.profiles import get_profile
-
     first = first or configs[0]
-    world, profile = first.world_size, get_profile(first.run.profile)
+    world, profile = first.world_size, first.profile
     ranks = [0] + ([world - 1] if world > 1 and any(_staged(c) for c in configs) else [])
     for rank in ranks:
         with rank_environment(rank, world, env or {}):
@@ -217,7 +213,7 @@ def _format(exc: BaseException) -> str:
 @contextlib.contextmanager
 def rank_environment(rank: int, world: int, env: dict):
     """What torchrun puts in a rank's environment (DeepSpeed reads it), restored afterwards."""
-    from labkit.launch import environ
+    from labkit.runtime.launch import environ
 
     with environ(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                  MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", DS_ACCELERATOR="cpu", **env):

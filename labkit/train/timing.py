@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from labkit import device as devices
+from labkit.runtime import device as devices
 
 
 class WorkClock:

@@ -3,8 +3,8 @@
 torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR; this module turns them into a
 `DistContext` (the world group is passed down explicitly, never looked up as a global), runs the
 loop and tears the group down. `@record` writes the rank's traceback to torchrun's error.json, which
-`labkit.launch` turns into a `LaunchError` naming the failing rank.
-`--serve JOBS` makes this rank a warm one that runs job after job in one process group (labkit.rank_pool).
+`labkit.runtime.launch` turns into a `LaunchError` naming the failing rank.
+`--serve JOBS` makes this rank a warm one that runs job after job in one process group (labkit.runtime.rank_pool).
 Introduced in notebook 03_ddp.
 """
 from __future__ import annotations
@@ -19,21 +19,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from labkit import device as devices
+from labkit.runtime import device as devices
 from labkit.parallel.single import DistContext
-from labkit.profiles import get_profile
+from labkit.profiles import Profile
 from labkit.train.config import TrainConfig
 from labkit.train.loop import train
 
 
 def init_distributed(cfg: TrainConfig) -> DistContext:
     """Join the job's process group (gloo on CPU, nccl on GPUs) and pick this rank's device."""
-    return join_group(cfg.run.profile)
+    return join_group(cfg.profile)
 
 
-def join_group(profile: str) -> DistContext:
-    """`init_distributed` for a profile name (warm ranks join once, for the first run's profile)."""
-    prof = get_profile(profile)
+def join_group(prof: Profile) -> DistContext:
+    """`init_distributed` for a resolved config's profile (warm ranks join once, for the first run's)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device, group = devices.join_group(prof, rank, world, local_rank=local_rank,
@@ -43,16 +42,16 @@ def join_group(profile: str) -> DistContext:
 
 def local_context(cfg: TrainConfig) -> DistContext:
     """The context of an in-process, single-device run (no process group)."""
-    return DistContext(rank=0, world_size=1, local_rank=0, device=devices.for_rank(get_profile(cfg.run.profile)),
+    return DistContext(rank=0, world_size=1, local_rank=0, device=devices.for_rank(cfg.profile),
                        group=None)
 
 
 def parse_job(argv: list[str]):
-    """(profile, fn(ctx)) of one run of this entry point: how warm ranks run it (labkit.rank_pool)."""
+    """(Profile, fn(ctx)) of one run of this entry point: how warm ranks run it (labkit.runtime.rank_pool)."""
     parser = argparse.ArgumentParser(prog="labkit.train.worker", description=__doc__.splitlines()[0])
     parser.add_argument("--config-json", required=True, help="a resolved TrainConfig as JSON")
     cfg = TrainConfig.from_json(parser.parse_args(argv).config_json)
-    return cfg.run.profile, lambda ctx: train(cfg, ctx)
+    return cfg.profile, lambda ctx: train(cfg, ctx)
 
 
 @record
@@ -78,7 +77,7 @@ def run_then_leave(fn, ctx: DistContext) -> None:
     dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------- warm ranks (labkit.rank_pool)
+# ---------------------------------------------------------------- warm ranks (labkit.runtime.rank_pool)
 def serve(jobs: str) -> None:
     """Run JOBS/job-1.json, job-2.json, ... as they appear, in one process group; never returns.
 

@@ -1,6 +1,6 @@
 """Per-rank load bars of notebook 09_beyond_3d: the causal work of each context-parallel split, the rows each
 expert-parallel rank received from the dispatch all-to-all (numbers from `labkit.parallel.context_variants`
-and `labkit.moe`)."""
+and `labkit.zoo.moe`)."""
 from __future__ import annotations
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from labkit import presets
+from labkit.zoo import presets
 from labkit.errors import ConfigError
 from labkit.memory.advice import verdict
 from labkit.memory.estimate import (CHECKPOINTING, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS, MemoryConfig,

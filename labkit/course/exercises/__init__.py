@@ -83,7 +83,7 @@ def check(fn: Callable, tests: str | Path | None = None) -> None:
     """
     import os
 
-    from labkit import rehearsal
+    from labkit.runtime import rehearsal
     from labkit.course.exercises.hidden import OWN_COPY, hidden_info, own_hidden_tests
     from labkit.course.grading.sandbox import GRADED_RUN_ENV
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 def main(workdir: str, parent: int) -> int:
-    from labkit import quiet, rank_guard
+    from labkit.runtime import quiet, rank_guard
 
     rank_guard.set_parent_death_signal()
     if os.getppid() != parent:  # the caller died before the prctl took effect
@@ -28,8 +28,8 @@ def main(workdir: str, parent: int) -> int:
         fn, args, profile = cloudpickle.loads((work / "payload.pkl").read_bytes())
         if profile is None:
             dist.init_process_group("gloo", rank=rank, world_size=world)
-        else:  # the profile's backend and this rank's device (labkit.device; a rehearsal: gloo on CPU)
-            from labkit import device as devices
+        else:  # the profile's backend and this rank's device (labkit.runtime.device; a rehearsal: gloo on CPU)
+            from labkit.runtime import device as devices
             from labkit.profiles import get_profile
             devices.join_group(get_profile(profile), rank, world, local_rank=rank)
         try:

@@ -55,8 +55,8 @@ def train_llm(rank: int, world: int, strategy: str, model: str, *,
 def mesh(profile: str, world: int):
     """The 1-D DeviceMesh over the `world` ranks of a `spawn(..., profile=...)` job, of this rank's device
     type (cuda on a GPU node, cpu in smoke): what a hand-written FSDP shards over, on the device
-    `library_parts` put the model on (`labkit.device.mesh`)."""
-    from labkit import device as devices
+    `library_parts` put the model on (`labkit.runtime.device.mesh`)."""
+    from labkit.runtime import device as devices
     from labkit.profiles import get_profile
 
     return devices.mesh(devices.for_rank(get_profile(profile), dist.get_rank()), (world,))

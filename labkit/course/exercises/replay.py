@@ -33,8 +33,8 @@ def library_parts(strategy: str, model: str, *, dp_rank: int = 0, dp_size: int =
 
     `device` defaults to the profile's: CPU, or cuda:<dp_rank> on a GPU profile (one GPU per rank;
     unverified on hardware here)."""
-    from labkit import device as devices
-    from labkit.models import build_model
+    from labkit.runtime import device as devices
+    from labkit.zoo.models import build_model
     from labkit.optim import build_optimizer
     from labkit.profiles import get_profile
     from labkit.train.api import make_config
@@ -43,8 +43,8 @@ def library_parts(strategy: str, model: str, *, dp_rank: int = 0, dp_size: int =
 
     nproc = options.pop("nproc", dp_size)
     cfg = make_config(strategy, model, nproc=nproc, rehearse_as="library_parts", **options)
-    if device is None:  # this rank's GPU (labkit.device: a rehearsal records it and computes on the CPU)
-        device = devices.for_rank(get_profile(cfg.run.profile), dp_rank)
+    if device is None:  # this rank's GPU (labkit.runtime.device: a rehearsal records it and computes on the CPU)
+        device = devices.for_rank(cfg.profile, dp_rank)
     seed_everything(cfg.run.seed)  # what the loop does first
     task = make_task(cfg)
     net = devices.place(build_model(cfg.run.model, seed=cfg.run.seed), device)

@@ -3,7 +3,7 @@
 Each process gets a gloo process group already initialised (env rendezvous on a free loopback port,
 `OMP_NUM_THREADS=1`) and calls `fn(rank, world, *args)`; `spawn` returns the per-rank return values.
 `fn` travels by value (cloudpickle), so a function defined in a notebook cell or a test file works.
-With `profile=` the ranks join the way that profile's runs do (`labkit.device.join_group`): on a GPU
+With `profile=` the ranks join the way that profile's runs do (`labkit.runtime.device.join_group`): on a GPU
 profile rank r computes on cuda:r over NCCL (so a student's function meets the model `library_parts`
 put on cuda:r with a group and meshes of the same device), and a world larger than the node's GPUs
 is refused before anything starts; a rehearsal records that and runs gloo on CPU.
@@ -284,11 +284,11 @@ def _check_gpus(profile: str, world: int) -> None:
 
 
 def _rehearse(fn: Callable, world: int, args: tuple, profile: str | None) -> list | None:
-    """A rehearsal's spawn (labkit.rehearsal). With a profile: every rank's `fn` in turn in this process,
-    over torch's fake process group, on the device the node gives it (`labkit.device.join_group`, which
+    """A rehearsal's spawn (labkit.runtime.rehearsal). With a profile: every rank's `fn` in turn in this process,
+    over torch's fake process group, on the device the node gives it (`labkit.runtime.device.join_group`, which
     records cuda:r and nccl). Without one the ranks are CPU processes on every profile -- nothing differs
     from the smoke run that executes them -- so a rehearsal skips them: the cell sees "not attempted"."""
-    from labkit import device as devices
+    from labkit.runtime import device as devices
     from labkit.profiles import get_profile
     from labkit.train import stand_in
 
@@ -333,7 +333,7 @@ def spawn(fn: Callable, world: int = 2, args: tuple = (), timeout: float = DEFAU
     imported (their forkserver imports them once)."""
     import cloudpickle
 
-    from labkit.launch import free_port
+    from labkit.runtime.launch import free_port
 
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"spawn world={world!r}; it must be a positive integer (2 in smoke)")
@@ -342,7 +342,7 @@ def spawn(fn: Callable, world: int = 2, args: tuple = (), timeout: float = DEFAU
     if profile is not None:
         _check_gpus(profile, world)
     fork = profile is None or _may_fork(profile)
-    from labkit import rehearsal
+    from labkit.runtime import rehearsal
     if rehearsal.active():
         return _rehearse(fn, world, tuple(args), profile)
     name = getattr(fn, "__name__", repr(fn))

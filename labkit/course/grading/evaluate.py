@@ -18,7 +18,7 @@ from labkit.course.grading.checks import Check, CheckResult
 from labkit.course.grading.evidence import IDENTITY_KEY, Evidence, identity
 
 GRADED, ERROR, TIMEOUT, INVALID, TAMPERED = "graded", "error", "timeout", "invalid", "tampered"
-#: A notebook executed as a rehearsal (labkit.rehearsal): stand-in models on CPU, nothing measured.
+#: A notebook executed as a rehearsal (labkit.runtime.rehearsal): stand-in models on CPU, nothing measured.
 REHEARSAL = "rehearsal"
 #: A rostered student with no such submission (labkit grade --roster).
 MISSING = "missing"

@@ -116,7 +116,7 @@ def _versions() -> tuple[tuple[str, str], ...]:
 
 def environment(world_size: int = 1) -> dict[str, Any]:
     """The environment part of a seal: device name and count, world size, stack versions."""
-    from labkit import rehearsal
+    from labkit.runtime import rehearsal
 
     name, count = device()
     env = {"device": name, "device_count": count, "world_size": int(world_size), "versions": dict(_versions())}

@@ -39,6 +39,7 @@ from labkit.course.grading import confine
 from labkit.course.grading import isolation as iso_mod
 from labkit.course.grading.confine import kill_process_tree
 from labkit.course.grading.isolation import Isolation, View
+from labkit.runtime import hooks
 
 OK, CELL_ERROR, KERNEL_DIED, TIMEOUT, OUTPUT_CAP, FAILED = (
     "ok", "cell_error", "kernel_died", "timeout", "output_cap", "failed")
@@ -141,9 +142,9 @@ def _read_report(path: Path, dst: Path, limits: Limits) -> dict[str, Any] | None
 def scratch_env(scratch: Path, kernel: str = "labkit") -> dict[str, str]:
     """The executed notebook's environment: the grader's kept variables, every home and cache in scratch."""
     env = {k: v for k, v in os.environ.items() if k in _ENV_KEEP or k.startswith(_ENV_PREFIXES)}
-    # A submission's ranks start in the sandbox, never forked by a process outside it (the test suite's warm
-    # ranks, labkit.rank_zygote; its warm kernels are not used by the grader either).
-    env.pop("LABKIT_RANK_ZYGOTE", None)
+    # A submission's ranks and kernel start in the sandbox, never forked by a process outside it (the test
+    # suite's hook, labkit.runtime.hooks).
+    env.pop(hooks.ENV, None)
     dirs = {"HOME": "home", "TMPDIR": "tmp", "JUPYTER_RUNTIME_DIR": "runtime", "IPYTHONDIR": "ipython",
             "MPLCONFIGDIR": "mpl", "XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config"}
     env.update({k: str(scratch / d) for k, d in dirs.items()})

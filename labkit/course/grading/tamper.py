@@ -121,7 +121,7 @@ def payload_problems(rec: Recorded, cell, number: int) -> list[str]:
 
 
 def rehearsed(nb) -> str | None:
-    """'cell N: run|answer KEY' of the first payload a rehearsal recorded (labkit.rehearsal), else None.
+    """'cell N: run|answer KEY' of the first payload a rehearsal recorded (labkit.runtime.rehearsal), else None.
     The seal's environment says so (and its digest covers it), and so does a rehearsal's RunRecord."""
     for rec in collect(nb):
         fp = rec.payload.get("fingerprint") or {}

@@ -14,7 +14,7 @@ import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from labkit.course.grading import checks as K
-from labkit.presets import LLM_PRESETS
+from labkit.zoo.presets import LLM_PRESETS
 
 DEMO = "90_grading_demo"
 TOTAL_POINTS = 11.0

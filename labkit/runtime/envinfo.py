@@ -5,7 +5,7 @@ is a pure function of those facts, so the GPU branches are testable on a CPU mac
 versions come from `importlib.metadata`: importing DeepSpeed would JIT-build ops, importing
 bitsandbytes prints warnings. It also says whether the environment is the class's locked one
 (labkit.lockfile) and, on a GPU node, whether the NVIDIA driver runs this torch build
-(labkit.cudadriver). Introduced in notebook 00_setup.
+(labkit.runtime.cudadriver). Introduced in notebook 00_setup.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import sys
 from importlib import metadata
 from typing import Any
 
-from labkit import cudadriver, hosted, lockfile
+from labkit.runtime import cudadriver, hosted
+from labkit import lockfile
 from labkit.errors import HardwareError
 from labkit.profiles import PROFILES, Profile, get_profile
 
@@ -54,7 +55,7 @@ def torch_facts() -> dict[str, Any]:
         import torch
         import torch.distributed as dist
 
-        from labkit import device as devices
+        from labkit.runtime import device as devices
     except ImportError:
         return {"installed": False}
     facts: dict[str, Any] = {
@@ -104,8 +105,8 @@ def collect() -> dict[str, Any]:
 
 def profile_support(facts: dict[str, Any], profiles=PROFILES) -> dict[str, dict[str, Any]]:
     """For each profile: {'ok': bool, 'missing': [reason -> fix, ...]} from `collect()`-style facts.
-    In a rehearsal (`labkit.rehearsal`) GPU profiles are supported by assumption, and say so."""
-    from labkit import rehearsal
+    In a rehearsal (`labkit.runtime.rehearsal`) GPU profiles are supported by assumption, and say so."""
+    from labkit.runtime import rehearsal
 
     torch, driver = facts.get("torch", {}), facts.get("driver")
     support = {name: _check_profile(make(), torch, driver) for name, make in profiles.items()}
@@ -118,7 +119,7 @@ def profile_support(facts: dict[str, Any], profiles=PROFILES) -> dict[str, dict[
 
 def driver_gap(torch: dict[str, Any], driver: dict[str, Any] | None) -> str | None:
     """'driver too old for this torch build: ... -> fix' when the NVIDIA driver is older than the CUDA
-    the installed torch is built for (labkit.cudadriver); None when it is not, or nothing is known."""
+    the installed torch is built for (labkit.runtime.cudadriver); None when it is not, or nothing is known."""
     if not (torch.get("installed") and driver and driver.get("version")):
         return None
     caps = [tuple(g["capability"]) for g in driver.get("gpus") or [] if g.get("capability")]
@@ -166,8 +167,8 @@ def require(profile: str | Profile, facts: dict[str, Any] | None = None) -> Prof
     profile = get_profile(profile)
     if profile.device == "cpu":  # smoke profiles run wherever torch does; no device query needed
         return profile
-    from labkit import rehearsal
-    if rehearsal.active():  # this machine stands in for the node (labkit.rehearsal): its GPUs are assumed
+    from labkit.runtime import rehearsal
+    if rehearsal.active():  # this machine stands in for the node (labkit.runtime.rehearsal): its GPUs are assumed
         return profile
     torch = (facts or {}).get("torch") or torch_facts()
     driver = facts.get("driver") if facts is not None else driver_facts()
@@ -201,7 +202,7 @@ def has_kernels(arch_list: list[str] | None, capability: list[int]) -> bool:
 
 
 def build_name(torch: dict[str, Any]) -> str:
-    """'CPU build' or 'CUDA build 13.0': which torch wheel is installed (`make venv` picks it, labkit.cudadriver)."""
+    """'CPU build' or 'CUDA build 13.0': which torch wheel is installed (`make venv` picks it, labkit.runtime.cudadriver)."""
     return f"CUDA build {torch['cuda_build']}" if torch.get("cuda_build") else "CPU build"
 
 
@@ -255,7 +256,7 @@ def format_report(facts: dict[str, Any]) -> str:
         lines.append(f"{dist:<12} {version or 'MISSING'}")
     if torch.get("installed"):
         lines.append(f"torch build  {build_name(torch)}; NCCL {torch['nccl'] or '-'}; gloo {'yes' if torch['gloo'] else 'no'}")
-    if facts.get("platform"):  # Colab / Kaggle / none (labkit.hosted), with the profile to run there
+    if facts.get("platform"):  # Colab / Kaggle / none (labkit.runtime.hosted), with the profile to run there
         profile = next((p for name, _var, p in hosted.PLATFORMS.values() if name == facts["platform"]), None)
         lines.append(f"platform     {facts['platform']}" + (f": use --profile {profile}" if profile else ""))
     lines.append(f"cpu          {host['cpu_cores']} cores, {host['ram_gb']:g} GB RAM ({host['platform']})")

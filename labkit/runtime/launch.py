@@ -8,7 +8,7 @@ interrupt button) kills the whole process tree, SIGTERM first and SIGKILL after 
 (a short one on interrupt: control is back within seconds). A run that may hang on purpose (a
 lesson's skipped collective) gives `hang_timeout_s`: that clock starts once every rank has called
 `rank_ready()` (imports and process group done), so a busy machine's slow start-up never eats it.
-If the launcher itself dies without cleaning up (SIGKILL, a kernel restart), `labkit.rank_guard`
+If the launcher itself dies without cleaning up (SIGKILL, a kernel restart), `labkit.runtime.rank_guard`
 takes torchrun and every rank down with it.
 
 Rank logs: torchrun's `--log-dir` + `--redirects 3` writes `<log_dir>/<run_id>_*/attempt_0/<local_rank>/`
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from labkit import rank_guard
+from labkit.runtime import rank_guard
 from labkit.errors import ConfigError, LaunchError
 
 #: Seconds between SIGTERM and SIGKILL when a run times out.
@@ -47,7 +47,7 @@ KILL_GRACE_S = 5.0
 #: ... and when the user interrupts (Ctrl-C, Jupyter's interrupt button): control back fast.
 INTERRUPT_GRACE_S = 1.5
 #: Ranks start as `python -m RANK_ENTRY MODULE ARGS` (parent-death guard + quiet imports, then MODULE).
-RANK_ENTRY = "labkit.rank_guard"
+RANK_ENTRY = "labkit.runtime.rank_guard"
 _POLL_S = 0.1
 
 
@@ -179,7 +179,7 @@ class _RankTail(threading.Thread):
     def __init__(self, pattern: str, echo: bool, offsets: dict[str, int] | None = None):
         super().__init__(daemon=True)
         self.pattern, self.echo = pattern, echo
-        self.offsets = offsets or {}  # bytes of each stream to skip: a warm rank's earlier runs (labkit.rank_pool)
+        self.offsets = offsets or {}  # bytes of each stream to skip: a warm rank's earlier runs (labkit.runtime.rank_pool)
         self.done = threading.Event()
         self.parts: list[str] = []
 
@@ -236,12 +236,12 @@ def kill_tree(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
     """SIGTERM every descendant of torchrun (ranks run in their own sessions), then torchrun, SIGKILL what
     survives. The ranks go first: what a rank does on SIGTERM (a stack dump into its log: the hang demo,
     labkit.profiling.hangdemo) must finish before torchrun's exit trips its parent-death guard
-    (labkit.rank_guard), which SIGKILLs it -- a loaded CI machine cut a dump in half that way."""
+    (labkit.runtime.rank_guard), which SIGKILLs it -- a loaded CI machine cut a dump in half that way."""
     import psutil
 
-    from labkit import rank_zygote
+    from labkit.runtime import hooks
 
-    head, ranks = rank_zygote.process_tree(proc.pid)  # [torchrun], its descendants (warm ones included)
+    head, ranks = hooks.process_tree(proc.pid)  # [torchrun], its descendants (the test suite's forked ones too)
     _signal_groups(ranks, signal.SIGTERM)
     _, ranks_alive = psutil.wait_procs(ranks, timeout=grace_s)
     _signal_groups(head + ranks_alive, signal.SIGTERM)
@@ -255,7 +255,7 @@ def kill_tree(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
     psutil.wait_procs(alive, timeout=grace_s)
     try:
         proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:  # a warm torchrun's shim whose stand-in is gone: it must not stay either
+    except subprocess.TimeoutExpired:  # what started torchrun outlived it (a test hook's shim): it must not stay
         proc.kill()
         proc.wait()
 

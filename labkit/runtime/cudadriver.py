@@ -3,13 +3,13 @@
 A torch wheel carries its own CUDA runtime; the only thing it takes from the node is the driver. A
 driver older than the wheel's CUDA leaves torch without GPUs (`torch.cuda.is_available()` is False:
 "The NVIDIA driver on your system is too old"), and a lab then says "use smoke" on a node full of
-A100s. So `make lab` asks this module for the wheel index (`python -I labkit/cudadriver.py`: the
+A100s. So `make lab` asks this module for the wheel index (`python -I labkit/runtime/cudadriver.py`: the
 newest torch build whose CUDA the driver supports and which has kernels for every GPU of the node),
 and `labkit env` names the mismatch and the fix (`driver_gap`).
 
 Without an NVIDIA driver `make lab` gets the locked torch's CPU build from PyTorch's CPU wheel index (a few
 hundred MB instead of gigabytes of CUDA libraries), or PyPI's build, in one line, when that index cannot be
-reached. On Colab and Kaggle the notebooks' first cell (labkit.hosted) loads this file from its clone and asks
+reached. On Colab and Kaggle the notebooks' first cell (labkit.runtime.hosted) loads this file from its clone and asks
 `hosted_install`: keep the platform's torch when it is at least labkit's declared minimum (pyproject.toml) and
 the driver runs it as well as any locked build would, else install the locked torch's build for the driver
 (`choose_torch`; one printed line says which, and what will not work under minor-version compatibility).
@@ -176,7 +176,7 @@ def _row(line: str) -> dict:
     return {"driver": parts[0], "name": parts[1] if len(parts) > 1 else "?", "capability": cap}
 
 
-# ---- which torch: the platform's, or a locked build (Colab / Kaggle's first cell, labkit.hosted) ----------------
+# ---- which torch: the platform's, or a locked build (Colab / Kaggle's first cell, labkit.runtime.hosted) ----------------
 
 #: The packages that come with a torch build: the platform's torch keeps its own (never the lock's pins).
 TORCH_FAMILY = re.compile(r"^(torch|torchvision|torchaudio|triton|nvidia-[\w-]+|cuda-[\w-]+)==", re.I)

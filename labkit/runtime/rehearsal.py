@@ -8,7 +8,7 @@ precision), so notebook code takes every branch it takes on the node. Each run (
 1. **sized at its real size** (`labkit.train.stand_in.check_launch`): the estimator's bytes per GPU
    (`labkit.memory.runs`) against HEADROOM of the profile's GPU (or of its `memory_cap_gb`), and its
    ranks against the profile's GPUs. A run the node cannot hold raises what the node would: CUDA out
-   of memory (`labkit.device.RehearsalOOM`, a `torch.OutOfMemoryError`, so a notebook's OOM lesson
+   of memory (`labkit.runtime.device.RehearsalOOM`, a `torch.OutOfMemoryError`, so a notebook's OOM lesson
    handles it as on the node) or, for more ranks than GPUs, `RehearsalError`; both in one line naming
    the run and the fix. Every run is logged (`record`, to the file `LABKIT_REHEARSE_LOG`): the notebook
    runner turns the log into the manifest `labkit.course.profile_check.lab_runs` reads, so no list of
@@ -20,7 +20,7 @@ precision), so notebook code takes every branch it takes on the node. Each run (
    that splits the same way and `STEPS` steps. Data and weights resolve as on the node (cached -> used,
    missing -> the node's own fallback or error). A multi-rank run executes rank 0's code (and the last
    rank's, for pipelines) in this process over torch's fake process group: no communication, real
-   sizes, shapes, devices and code paths. `labkit.device` records every CUDA call instead of making it.
+   sizes, shapes, devices and code paths. `labkit.runtime.device` records every CUDA call instead of making it.
 
 A lesson that runs out of memory on purpose (04's DDP run of Llama-2-7B, 06's full fine-tunes under
 the 24 GB cap) says so with `with may_oom():` around the run; any other run that would not fit fails

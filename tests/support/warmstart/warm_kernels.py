@@ -4,7 +4,7 @@ A notebook kernel pays `import torch` (3.7 CPU s here), transformers' Llama (6.7
 torchvision and torch._dynamo) and matplotlib before its first line of lesson runs. `make test` executes
 ~70 notebooks (every lab in smoke and each rehearsed GPU profile), so that is ~10 minutes of CPU spent
 importing the same modules. With `LABKIT_WARM_KERNELS=1`, `labkit.course.notebooks.run_notebook` starts
-its kernels through `WarmKernelManager`: a **zygote** (`python -m labkit.course.warm_kernels`, one per
+its kernels through `WarmKernelManager`: a **zygote** (`python -m warmstart.warm_kernels`, one per
 environment) imports PRELOAD once and forks one child per kernel; the child becomes exactly what
 `python -m ipykernel_launcher -f <connection file>` would be: its own session (the kernel manager
 signals its process group: interrupt, shutdown, kill), stdin from /dev/null, the kernel's environment,
@@ -22,7 +22,7 @@ What a fork could share, and why it does not leak:
 - Nothing runs in the zygote but imports, so no thread, lock or OpenMP pool is held at the fork.
 No process outlives its owner: the owner holds the zygote's request pipe; when the owner exits or is
 killed the pipe closes and the zygote kills its kernels' process groups and exits; a kernel has the
-parent-death signal set to the zygote (and its own children keep their guards: labkit.rank_guard).
+parent-death signal set to the zygote (and its own children keep their guards: labkit.runtime.rank_guard).
 The zygote reaps each kernel and reports its exit status and CPU time (`reaped_cpu`: a forked kernel
 is not the owner's child, so the owner's RUSAGE_CHILDREN misses it).
 Off by default (a student's and an instructor's notebooks run in a fresh kernel); `make test` turns it
@@ -41,7 +41,8 @@ import threading
 import uuid
 from typing import Any
 
-from labkit import forking
+from warmstart import forking
+from warmstart import run_command
 
 #: `1`: run_notebook forks its kernels from a warm zygote (tests/conftest.py sets it for `make test`).
 SWITCH_ENV = "LABKIT_WARM_KERNELS"
@@ -56,7 +57,7 @@ PRELOAD_IF_SET = {"deepspeed": "DS_ACCELERATOR"}
 VOLATILE = ("LABKIT_", "JPY_", "PYTEST_")
 #: Zygotes kept at once per owner (one per environment; the oldest idle one goes first).
 MAX_ZYGOTES = 2
-_MODULE = "labkit.course.warm_kernels"
+_MODULE = "warmstart.warm_kernels"
 _LAUNCHER = "ipykernel_launcher"
 
 
@@ -75,7 +76,7 @@ class _Zygote:
     def __init__(self, prefix: list[str], env: dict[str, str], cwd: str):
         req_r, self._req = os.pipe()  # both ends close-on-exec: only the zygote gets them (pass_fds)
         self._rep, rep_w = os.pipe()
-        self.proc = subprocess.Popen([*prefix, "-m", _MODULE, str(req_r), str(rep_w)], env=env, cwd=cwd,
+        self.proc = subprocess.Popen([*prefix, *run_command(_MODULE), str(req_r), str(rep_w)], env=env, cwd=cwd,
                                      pass_fds=(req_r, rep_w), stdin=subprocess.DEVNULL, start_new_session=True)
         os.close(req_r)
         os.close(rep_w)

@@ -1,12 +1,12 @@
 """Warm ranks: the runs of one notebook share one torchrun job instead of starting one each.
 
-A cold `labkit.launch.run` starts torchrun and N fresh ranks for every `run()`; each rank pays Python,
+A cold `labkit.runtime.launch.run` starts torchrun and N fresh ranks for every `run()`; each rank pays Python,
 `import torch` (and transformers, DeepSpeed...) and the process-group set-up before its first step:
 ~10 s per run on a GPU node, and most of a smoke run's wall time on a laptop. `rank_pool.run` sends the
 run to ranks that stay up between runs instead (`python -m labkit.train.worker --serve JOBS`, which
 reads job-1.json, job-2.json, ... from JOBS and answers each with one done-<n>-<rank> file per rank).
 
-It keeps every promise of a cold launch (labkit.launch, labkit.rank_guard):
+It keeps every promise of a cold launch (labkit.runtime.launch, labkit.runtime.rank_guard):
 - a run that fails on any rank ends the whole pool (torchrun stops the other ranks) and is reported as
   a cold run is, naming the rank and its traceback; the next run starts a fresh pool;
 - a timeout, or Ctrl-C / Jupyter's interrupt button, kills the pool's whole process tree;
@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from labkit import launch, rank_guard
+from labkit.runtime import launch, rank_guard
 from labkit.errors import LaunchError
 
 #: The module the warm ranks run (it implements `--serve JOBS`).
@@ -146,9 +146,9 @@ def current_pids() -> list[int]:
     with _LOCK:
         if _POOL is None or _POOL.proc.poll() is not None:
             return []
-        from labkit import rank_zygote
+        from labkit.runtime import hooks
 
-        head, rest = rank_zygote.process_tree(_POOL.proc.pid)  # forked stand-ins in the test suite's warm starts
+        head, rest = hooks.process_tree(_POOL.proc.pid)  # the test suite's forked stand-ins too
         return [p.pid for p in head + rest]
 
 
@@ -179,9 +179,9 @@ def _acquire(key: PoolKey) -> _Pool:
 def run(module: str, args: list[str], *, nproc: int, timeout_s: float = 600, env: dict | None = None,
         stream: bool = True, threads: int | None = None, group: str = "", nnodes: int = 1,
         log_dir: str | None = None, **cold) -> launch.LaunchResult:
-    """`labkit.launch.run` on warm ranks when possible (module doc), else a cold launch.
+    """`labkit.runtime.launch.run` on warm ranks when possible (module doc), else a cold launch.
 
-    `module` must offer `parse_job(argv) -> (profile name, fn(ctx))` (labkit.train.worker, labkit.train.many).
+    `module` must offer `parse_job(argv) -> (Profile, fn(ctx))` (labkit.train.worker, labkit.train.many).
     `group` names the process group the runs need (e.g. "gloo/cpu/1800"): pools differ when it does."""
     if (nnodes != 1 or log_dir is not None or cold.get("rdzv_endpoint") or not enabled()
             or threading.current_thread() is not threading.main_thread()):

@@ -1,11 +1,11 @@
 """Build the course's models from presets or local checkpoints. Models know nothing about parallelism.
 
 - LLMs: transformers `LlamaForCausalLM` built from a preset config, or loaded with
-  `from_pretrained(path)` from a local folder or a Hugging Face id in the HF cache (`labkit.hub`;
+  `from_pretrained(path)` from a local folder or a Hugging Face id in the HF cache (`labkit.zoo.hub`;
   `labkit fetch ID` fills the cache). A checkpoint loads in an explicit dtype: transformers 5 keeps
   the saved one (often fp16) otherwise, and a full fine-tune needs fp32 weights.
 - Vision: torchvision ResNets (`resnet50` is torchvision's own constructor).
-In a rehearsal (`labkit.rehearsal`) every model is its stand-in: the same family and layer structure
+In a rehearsal (`labkit.runtime.rehearsal`) every model is its stand-in: the same family and layer structure
 with shrunk widths, built from the real config (a checkpoint's config is read from its folder or the
 HF cache as on the node; its weights are not loaded).
 Introduced in notebook 02_single_gpu (vision) and 04_fsdp (LLM).
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from labkit import hub, presets
+from labkit.zoo import hub, presets
 from labkit.errors import ConfigError
 
 
@@ -45,7 +45,7 @@ def llm_config(name: str):
     """The `LlamaConfig` of a preset, or the config of a local checkpoint folder."""
     from transformers import AutoConfig, LlamaConfig
 
-    from labkit import rehearsal
+    from labkit.runtime import rehearsal
 
     if name in presets.LLM_PRESETS:
         preset = presets.LLM_PRESETS[name]
@@ -73,7 +73,7 @@ def build_llm(name: str, *, seed: int = 0, dtype: torch.dtype | None = None, **l
     """
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    from labkit import rehearsal
+    from labkit.runtime import rehearsal
 
     folder = checkpoint_dir(name, weights=not rehearsal.active())
     if folder is not None and not rehearsal.active():
@@ -93,7 +93,7 @@ def build_vision(name: str, *, seed: int = 0) -> nn.Module:
         raise ConfigError(f"unknown vision model {name!r}: use one of {', '.join(presets.VISION_PRESETS)}")
     torch.manual_seed(seed)
     spec = presets.VISION_PRESETS[name]
-    from labkit import rehearsal
+    from labkit.runtime import rehearsal
     stand_in = rehearsal.vision(name, spec) if rehearsal.active() else None
     if stand_in is not None:
         return stand_in

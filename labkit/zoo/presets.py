@@ -1,8 +1,8 @@
 """Model architecture presets as plain numbers (no torch import).
 
-The memory estimator (`labkit.memory`) and the model builders (`labkit.models`) share these, so the
+The memory estimator (`labkit.memory`) and the model builders (`labkit.zoo.models`) share these, so the
 name a student types (`--model llama2-7b`) means the same architecture everywhere. Transformer
-presets use Hugging Face `LlamaConfig` field names so `labkit.models` can build them directly.
+presets use Hugging Face `LlamaConfig` field names so `labkit.zoo.models` can build them directly.
 Introduced in notebook 01_memory.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ LLM_PRESETS = MappingProxyType({
                        tie_word_embeddings=False),
     # Tiny mixture of experts (HF Mixtral layout, Jiang et al. 2024): tiny-llama's attention, and in
     # place of its MLP 4 SwiGLU experts of width 64 with a top-2 router, so expert parallelism splits
-    # them 2 + 2 over 2 ranks. `num_local_experts` marks an MoE preset (labkit.models builds Mixtral).
+    # them 2 + 2 over 2 ranks. `num_local_experts` marks an MoE preset (labkit.zoo.models builds Mixtral).
     "tiny-moe": dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                      tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,

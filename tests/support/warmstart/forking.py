@@ -1,6 +1,6 @@
 """What a process forked from a zygote (a process that imported torch once and forks on request) does to be
 exactly what a fresh `python -m MODULE` would have been, and how it ends. Used by the warm notebook kernels
-(labkit.course.warm_kernels) and the warm torchrun and ranks (labkit.rank_zygote) of the test suite.
+(warmstart.warm_kernels) and the warm torchrun and ranks (warmstart.rank_zygote) of the test suite.
 """
 from __future__ import annotations
 
@@ -9,18 +9,8 @@ import signal
 import sys
 from typing import Callable, NoReturn
 
-#: Where torchrun's pid is for its ranks' parent checks (set by labkit.rank_guard's exec guard for a cold
-#: torchrun, by labkit.rank_zygote for a forked one).
-TORCHRUN_PID_ENV = "LABKIT_TORCHRUN_PID"
-
-
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
-    """Ask Linux to send `sig` to this process when its parent (thread) dies; False if unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-
-    return ctypes.CDLL(None, use_errno=True).prctl(1, int(sig)) == 0  # PR_SET_PDEATHSIG
+from labkit.runtime.rank_guard import PARENT_ENV as TORCHRUN_PID_ENV  # torchrun's pid, for its ranks' checks
+from labkit.runtime.rank_guard import set_parent_death_signal
 
 
 def tie_to_parent() -> None:
@@ -50,13 +40,13 @@ def become_fresh(env: dict[str, str], cwd: str, close: list[int]) -> None:
 
 def run_module(argv: list[str], *, quiet: bool = False) -> None:
     """What `python -m MODULE ARGS` does: MODULE (argv[0]) as `__main__`, sys.argv[1:] = ARGS; `quiet`: with
-    third-party import noise filtered first (labkit.quiet, as for a rank)."""
+    third-party import noise filtered first, as labkit.runtime.rank_guard runs a rank."""
+    if quiet:
+        from labkit.runtime.rank_guard import run_module as run_rank_module
+
+        return run_rank_module(argv)
     import runpy
 
-    if quiet:
-        from labkit import quiet as noise
-
-        noise.install()
     sys.argv = [argv[0], *argv[1:]]
     runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
 

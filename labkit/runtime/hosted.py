@@ -4,7 +4,7 @@
 `COLAB_RELEASE_TAG`, Kaggle's `KAGGLE_KERNEL_RUN_TYPE`); `labkit env` prints it. Each lab notebook's
 first code cell after the parameters is `first_cell(...)`'s text: there labkit is not installed yet, so
 the cell clones the course's repository (`repository()`: site/site.yml's `repository`, the one setting the
-site, this cell and the docs use) and, with only the standard library, asks the clone's labkit/cudadriver.py
+site, this cell and the docs use) and, with only the standard library, asks the clone's labkit/runtime/cudadriver.py
 which torch to run (`hosted_install`: the platform's own when it is >= labkit's minimum and the driver runs
 it, else the locked torch's build for the driver; one printed line says which), then installs labkit with
 the class's lock (requirements/lock.txt); it is a no-op everywhere else. Then `require_gpus` stops a 2-GPU
@@ -25,7 +25,7 @@ from labkit.errors import ConfigError, NeedsMoreGPUs
 from labkit.profiles import Profile, get_profile
 
 #: The one setting: `repository:` in the source tree's site/site.yml (read by the site, this cell and the docs).
-SITE_CONFIG = Path(__file__).resolve().parents[1] / "site" / "site.yml"
+SITE_CONFIG = Path(__file__).resolve().parents[2] / "site" / "site.yml"
 #: What site/site.yml names until the course is published: `make site` says so while it still does.
 PLACEHOLDER_REPOSITORY = "https://github.com/labkit-course/labkit"
 #: Where the first cell clones the repository, relative to the notebook's folder (/content on Colab,
@@ -83,13 +83,13 @@ _VARS = " or ".join(f'os.environ.get("{var}")' for _name, var, _p in PLATFORMS.v
 _INSTALL = """\
 # On Colab / Kaggle: install labkit from the course repository with the class's lock (a no-op elsewhere); torch
 # stays the platform's when labkit's minimum allows it and the driver runs it, else the locked torch's build for
-# this driver (labkit/cudadriver.py decides; one printed line says which)
+# this driver (labkit/runtime/cudadriver.py decides; one printed line says which)
 import os, runpy, subprocess, sys
 if {vars}:
     if not os.path.isfile("{clone}/{stamp}"):  # once per session (a failed install runs again)
         if not os.path.isdir("{clone}"):
             subprocess.check_call(["git", "clone", "--depth", "1", "{repo}", "{clone}"])
-        for command in runpy.run_path("{clone}/labkit/cudadriver.py")["hosted_install"]("{clone}"):
+        for command in runpy.run_path("{clone}/labkit/runtime/cudadriver.py")["hosted_install"]("{clone}"):
             subprocess.check_call(command)
         open("{clone}/{stamp}", "w").close()
     sys.path.insert(0, os.path.abspath("{clone}"))  # this kernel started before the install"""
@@ -100,7 +100,7 @@ def first_cell(lab: str, gpus: int = 1) -> str:
     install = _INSTALL.format(vars=_VARS, clone=CLONE_DIR, repo=repository(), stamp=INSTALLED)
     if gpus <= 1:
         return install
-    return (f"{install}\n\nfrom labkit.hosted import require_gpus\n\n"
+    return (f"{install}\n\nfrom labkit.runtime.hosted import require_gpus\n\n"
             f'require_gpus(PROFILE, {gpus}, "{lab}")  # Colab\'s one T4 stops here: this lab needs Kaggle\'s two')
 
 
@@ -126,7 +126,7 @@ def rewrite_first_cells(folder: str | Path) -> list[Path]:
     return changed
 
 
-if __name__ == "__main__":  # python -m labkit.hosted notebooks/
+if __name__ == "__main__":  # python -m labkit.runtime.hosted notebooks/
     import sys
 
     for rewritten in rewrite_first_cells(sys.argv[1] if len(sys.argv) > 1 else "notebooks"):

@@ -27,8 +27,8 @@ from typing import Any, Iterator
 import torch
 
 from labkit.errors import RehearsalError
-from labkit.rehearsal import active as rehearsing
-from labkit.rehearsal import calls, clear_calls, record  # noqa: F401 - the record of what the node would do
+from labkit.runtime.rehearsal import active as rehearsing
+from labkit.runtime.rehearsal import calls, clear_calls, record  # noqa: F401 - the record of what the node would do
 
 
 class RehearsalOOM(RehearsalError, torch.OutOfMemoryError):
@@ -249,7 +249,7 @@ def _init_device_mesh_guard(device_type, *args, **kwargs):
     if standing_in() and str(device_type) == "cpu":
         raise RuntimeError(f"rehearsal of {_STAND_IN.profile}: a 'cpu' DeviceMesh, but this rank's model is on "
                            f"cuda:{_STAND_IN.local_rank} on the node (device mismatch); build meshes with "
-                           "labkit.device.mesh(device, shape) or the run's device type")
+                           "labkit.runtime.device.mesh(device, shape) or the run's device type")
     return _ORIGINAL_INIT_MESH(device_type, *args, **kwargs)
 
 

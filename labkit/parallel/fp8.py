@@ -102,7 +102,7 @@ def compare_training(device, *, width: int = 64, depth: int = 2, steps: int = 3,
 
     from torchao.float8 import convert_to_float8_training
 
-    from labkit import device as devices
+    from labkit.runtime import device as devices
 
     class Block(torch.nn.Module):
         def __init__(self):

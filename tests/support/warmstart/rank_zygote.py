@@ -1,14 +1,14 @@
 """Warm torchrun and ranks for the test suite: forked from a process that already imported torch.
 
 torchrun (`python -m torch.distributed.run`, ~5 CPU s of imports) and each rank it starts
-(`python -u -m labkit.rank_guard MODULE ARGS`, labkit.launch: `import torch`, torch.distributed and
+(`python -u -m labkit.runtime.rank_guard MODULE ARGS`, labkit.runtime.launch: `import torch`, torch.distributed and
 transformers' Llama, ~8 CPU s) pay their imports before their first line of work; `make test` starts
 ~150 torchruns and ~300 ranks. With LABKIT_RANK_ZYGOTE naming the unix socket of a **manager**
 (tests/conftest.py starts one per pytest process), each of them is a thin **shim** instead
-(`rank_guard.guarded` starts torchrun as `python -m labkit.rank_zygote run torch.distributed.run ...`;
+(`rank_guard.guarded` starts torchrun as `python -m warmstart.rank_zygote run torch.distributed.run ...`;
 rank_guard's main is the ranks' shim): it sends its argv, environment, working directory and its
 stdin/stdout/stderr (the files torchrun's `--redirects` opened, the launcher's pipe) to the manager, which
-hands them to the **zygote** of that environment (`python -m labkit.rank_zygote zygote`, one per environment,
+hands them to the **zygote** of that environment (`python -m warmstart.rank_zygote zygote`, one per environment,
 started on first use; it imported PRELOAD once). The zygote forks; the child becomes exactly what the cold
 command would be after its imports: its own session, the shim's environment, folder, stdio and argv, numpy
 reseeded, the module run as `__main__` (a torchrun child names itself in LABKIT_TORCHRUN_PID, as
@@ -19,9 +19,9 @@ child for the whole life of what it stands for, so torchrun and the launcher see
 - the shim exits with the child's exit status (a child killed by a signal: the shim kills itself with it);
 - the shim's death is the child's: the child holds the shim's connection and kills itself (and its process
   group) when it closes, SIGKILL included;
-- `labkit.launch.kill_tree` finds the forked stand-ins (`process_tree`: the zygote records which process
+- `labkit.runtime.launch.kill_tree` finds the forked stand-ins (`process_tree`: the zygote records which process
   stands for which shim) and stops them as it stops cold ones, ranks first.
-What a fork could share, and why it does not leak: as for warm notebook kernels (labkit.course.warm_kernels):
+What a fork could share, and why it does not leak: as for warm notebook kernels (warmstart.warm_kernels):
 PRELOAD is third-party modules only; a zygote serves only ranks whose environment equals its own apart from
 VOLATILE keys (torchrun's per-rank variables, LABKIT_*, JPY_*, PYTEST_*), because libraries read some
 variables when imported (HF_HUB_OFFLINE, OMP_NUM_THREADS, DS_ACCELERATOR); nothing but imports runs in a
@@ -43,7 +43,8 @@ import struct
 import subprocess
 import sys
 
-from labkit import forking
+from warmstart import forking
+from warmstart import run_command
 
 #: The manager's unix socket path; set (by tests/conftest.py) only where ranks should fork warm.
 SWITCH_ENV = "LABKIT_RANK_ZYGOTE"
@@ -63,7 +64,7 @@ MAX_ZYGOTES = 4
 #: Signals the shim passes on to its rank.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 _STDIO = 3
-_MODULE = "labkit.rank_zygote"
+_MODULE = "warmstart.rank_zygote"
 
 
 def _key(env: dict[str, str]) -> tuple:
@@ -108,7 +109,7 @@ def _recv(sock: socket.socket, maxfds: int = 0) -> tuple[dict | None, list[int]]
 
 # ------------------------------------------------------------------------------------ the shim (rank_guard)
 def delegate(argv: list[str], kind: str = "rank") -> int | None:
-    """In rank_guard (`kind` "rank") or in front of torchrun (`kind` "module", `python -m labkit.rank_zygote run
+    """In rank_guard (`kind` "rank") or in front of torchrun (`kind` "module", `python -m warmstart.rank_zygote run
     torch.distributed.run ...`): run `argv` (MODULE ARGS) in a process forked by the zygote of this
     environment, pass signals on, and give back its exit status (negative: killed by that signal). None when
     there is no manager to ask (the caller runs MODULE cold)."""
@@ -125,7 +126,7 @@ def delegate(argv: list[str], kind: str = "rank") -> int | None:
           list(range(_STDIO)))
     reply, _ = _recv(sock)
     if reply is None or "pid" not in reply:
-        print(f"labkit.rank_zygote: no rank was forked ({reply}); the zygote's error is above", file=sys.stderr)
+        print(f"warmstart.rank_zygote: no rank was forked ({reply}); the zygote's error is above", file=sys.stderr)
         return 1
     pid = reply["pid"]
 
@@ -156,7 +157,7 @@ def warm_command(cmd: list[str], env: dict[str, str] | None = None) -> list[str]
     names a manager; any other command unchanged."""
     env = os.environ if env is None else env
     if env.get(SWITCH_ENV) and cmd[1:3] == ["-m", "torch.distributed.run"]:
-        return [cmd[0], "-m", _MODULE, "run", *cmd[2:]]
+        return [cmd[0], *run_command(_MODULE), "run", *cmd[2:]]
     return cmd
 
 
@@ -185,7 +186,7 @@ def forked_for(shim: int) -> int | None:
 
 
 def process_tree(pid: int) -> tuple[list, list]:
-    """([process `pid`], [its descendants]) as labkit.launch.kill_tree stops them (ranks first), with every
+    """([process `pid`], [its descendants]) as labkit.runtime.launch.kill_tree stops them (ranks first), with every
     shim replaced by the process a zygote forked for it: signalled once, by the stand-in itself (the shim
     passes its exit on and ends with it), whether torchrun and its ranks started cold or warm."""
     import psutil
@@ -218,7 +219,7 @@ def start_manager(path: str, *, max_zygotes: int = MAX_ZYGOTES, preload: tuple[s
     """Start a manager listening on `path` for this process (it exits when this process does); wait until
     it listens. The caller sets SWITCH_ENV=path where ranks should fork warm."""
     rd, wr = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-m", _MODULE, "manager", path, str(os.getpid()), str(wr),
+    proc = subprocess.Popen([sys.executable, *run_command(_MODULE), "manager", path, str(os.getpid()), str(wr),
                              str(max_zygotes), ",".join(preload)],
                             pass_fds=(wr,), stdin=subprocess.DEVNULL, start_new_session=True)
     os.close(wr)
@@ -278,7 +279,7 @@ def _manager(path: str, owner: int, ready_fd: int, max_zygotes: int, preload: st
                     retired.append(proc)
                 retired[:] = [proc for proc in retired if proc.poll() is None]
                 mine, theirs = socket.socketpair()
-                proc = subprocess.Popen([sys.executable, "-u", "-m", _MODULE, "zygote", str(theirs.fileno()), preload],
+                proc = subprocess.Popen([sys.executable, "-u", *run_command(_MODULE), "zygote", str(theirs.fileno()), preload],
                                         env=request["env"], cwd=request["cwd"], pass_fds=(theirs.fileno(),),
                                         stdin=subprocess.DEVNULL)
                 theirs.close()
@@ -353,7 +354,7 @@ def _zygote(ctl_fd: int, preload: tuple[str, ...]) -> None:
 
 def _become_rank(request: dict, conn: socket.socket, stdio: list[int], close: list[int]) -> None:
     """In the forked child: what the shim's cold command gives after its imports (`python -u -m
-    labkit.rank_guard MODULE ARGS`, or torchrun's `python -m torch.distributed.run ...`), then that. Never returns."""
+    labkit.runtime.rank_guard MODULE ARGS`, or torchrun's `python -m torch.distributed.run ...`), then that. Never returns."""
     def main() -> None:
         forking.become_fresh(request["env"], request["cwd"], close)
         for target, fd in enumerate(stdio):
@@ -363,7 +364,7 @@ def _become_rank(request: dict, conn: socket.socket, stdio: list[int], close: li
         if request.get("kind") == "module":  # torchrun: its ranks check that it is their parent
             os.environ[forking.TORCHRUN_PID_ENV] = str(os.getpid())
             forking.run_module(request["argv"])
-        else:  # a rank: what labkit.rank_guard runs after its guard
+        else:  # a rank: what labkit.runtime.rank_guard runs after its guard
             forking.run_module(request["argv"], quiet=True)
 
     forking.run_then_exit(main)
@@ -388,7 +389,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "manager":
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         _manager(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
-    elif sys.argv[1] == "run":  # `python -m labkit.rank_zygote run MODULE ARGS`: MODULE forked warm, else cold
+    elif sys.argv[1] == "run":  # `python -m warmstart.rank_zygote run MODULE ARGS`: MODULE forked warm, else cold
         status = delegate(sys.argv[2:], kind="module")
         if status is None:
             forking.run_module(sys.argv[2:])

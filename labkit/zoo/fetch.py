@@ -1,6 +1,6 @@
 """`labkit fetch MODEL|food11|dolly`: put what a lab needs on the node before the lease clock matters.
 
-Downloads go to the standard caches (`labkit.hub`: the HF cache; Food-11: `labkit.food11`), so runs
+Downloads go to the standard caches (`labkit.zoo.hub`: the HF cache; Food-11: `labkit.zoo.food11`), so runs
 never download: they read the cache, offline if HF_HUB_OFFLINE=1. `status(profile)` says what a
 profile's labs use and whether it is here (notebook 00_setup); `pretrained_llm`, `image_data` and
 `text_data` pick the real thing when it is cached and the stand-in (random init, synthetic or the
@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from labkit import food11, hub
+from labkit.zoo import food11, hub
 from labkit.errors import ConfigError
 
 #: Pretrained weights of a preset architecture on the Hub (GPU profiles fine-tune these in 06 and 08).
@@ -185,7 +185,7 @@ def _model_cached(repo: str) -> bool:
 def status(profile) -> list[Item]:
     """What `profile`'s labs use and whether each is on this machine (the table of notebook 00)."""
     if profile.device == "cpu":
-        shipped = str(Path(__file__).resolve().parent / "data")
+        shipped = str(Path(__file__).resolve().parents[1] / "data")
         return [Item(f"{profile.llm_model}, {profile.vision_model}", "all", True, "built from presets", ""),
                 Item("tiny text and images", "02-08", True, shipped, "")]
     items = []

@@ -1,7 +1,7 @@
 """Silence noise a student cannot act on (third-party imports, the course's test harness); keep every
 labkit warning.
 
-Installed by `import labkit` (so in every notebook) and by `labkit.rank_guard` in every rank, before
+Installed by `import labkit` (so in every notebook) and by `labkit.runtime.rank_guard` in every rank, before
 torch, transformers or peft are imported. Each entry names where the message comes from; a message
 is dropped only if its logger/category AND its text match, so new or different warnings still show.
 Introduced in notebook 00_setup.
