@@ -17,9 +17,10 @@ A100 = hardware.default_efficiency("a100-80gb")
 #: "Where the model is weak"): MT-NLG's three iteration times fit (m + 34) x 0.196 s + 6.3 s; the model has the
 #: bubble but no 6.3 s per-step term. The LM head on the last stage, the recomputation switches and the p2p / DP
 #: traffic on its fabric are counted and ruled out as the cause (the rows' `miss`).
-#: Issue 42's two: NeMo's GPT-3 20B (its distributed optimizer's rings would need the node's NICs striped, which
-#: Megatron-LM's own 2024 rows contradict) and Llama 3 8B with CP=2 (TE's CP attention beyond the ring exchange).
-KNOWN_MISSES = {"mt-nlg-530b-2240", "mt-nlg-530b-2800", "mt-nlg-530b-3360", "nemo-gpt3-20b", "nemo-llama3-8b-cp2"}
+#: Issue 42's: NeMo's GPT-3 20B (its distributed optimizer's rings would need the node's NICs striped, which
+#: Megatron-LM's own 2024 rows and NeMo's GPT-3 5B contradict). Llama 3 8B with CP=2 is no longer one since CP's
+#: attention is priced beyond the ring exchange (+23 % -> +19 %: tests/test_planner_search.py).
+KNOWN_MISSES = {"mt-nlg-530b-2240", "mt-nlg-530b-2800", "mt-nlg-530b-3360", "nemo-gpt3-20b"}
 ASSUMABLE = {"micro_batch", "interleave", "batch", "gpus", "seq", "vocab", "checkpointing", "flash", "counts_recompute",
              "tp", "pp", "zero", "gpu", "inter_node_gbps", "attention", "tp_overlap", "optimizer_states"}
 
