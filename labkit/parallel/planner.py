@@ -369,7 +369,8 @@ def format_assumption(req: PlanRequest) -> str:
             + (f", {req.attention} attention at {a['attention_efficiency']:.0%}" if req.flash else
                ", unfused attention")
             + f"; NCCL at {a['comm_efficiency']:.0%} of NVLink and {a['network_efficiency']:.0%} of "
-            f"{a['inter_node_gbps']:g} Gb/s per GPU between nodes; checkpointing {req.checkpointing}"
+            f"{a['inter_node_gbps']:g} Gb/s per GPU between nodes (Megatron-Core's ZeRO-1/2 and torch FSDP's rings "
+            f"striped over their members' NICs); checkpointing {req.checkpointing}"
             + ("" if req.sequence_parallel else ", no sequence parallelism")
             + (f", interleave {req.interleave}" if req.interleave > 1 else "")
             + (", TP overlapped" if req.tp_overlap else "")
