@@ -50,34 +50,23 @@ def _why(errs: list[dict], rows) -> None:
         print(f"  MISSED {ids}:\n    {reason}")
 
 
-#: Sources whose rows are tuned recipes (the vendor swept layouts and published the fastest).
-RECIPES = ("nemo2024", "bridge2025")
-#: Layouts a source ran head to head on the same model, GPUs and batch: (the published best, the others).
-COMPARED = {"megatron-t2-175b-384": ("zero3-175b-384",), "megatron-t2-175b-768": ("zero3-175b-768",),
-            "megatron-t2-175b-1536": ("zero3-175b-1536",)}
-
-
 def search(rows) -> None:
-    """Where `labkit plan` ranks each recipe's layout, and each compared layout, among the layouts that fit."""
-    by_id = {r.id: r for r in rows}
-    print("\nbest-layout search: rank of the published layout among the layouts that fit (fastest first)")
-    top3 = []
+    """Where `labkit plan` ranks each recipe's layout, and each compared layout, among the layouts that fit:
+    among the ZeRO stages the row's software has (`published_runs.ZERO_STAGES`: Megatron-Core has no ZeRO-2),
+    and the count again with every stage offered."""
+    print("\nbest-layout search: rank of the published layout among the layouts that fit (fastest first; the ZeRO "
+          "stages of the row's software)")
     with tempfile.TemporaryDirectory() as folder:
-        for r in [r for r in rows if r.source in RECIPES] + [by_id[k] for k in COMPARED]:
-            s = published_runs.search_rank(r, folder)
-            where = f"rank {s['rank']}/{s['layouts']}" if s["rank"] else f"NOT AMONG THE FITS ({s['dropped']})"
-            line = f"  {r.id:<26} {where:<14} {s['published']}; first: {s['top'][0]}"
-            for other in COMPARED.get(r.id, ()):  # its layout in the same search (same model, GPUs, batch)
-                o = by_id[other]
-                key = (o.dp, o.tp, o.pp, o.layout().cp, o.layout().zero)
-                rank = s["order"].index(key) + 1 if key in s["order"] else None
-                line += f"; compared {other}: rank {rank}"
-                top3.append(s["rank"] is not None and (rank is None or s["rank"] < rank))
-            if r.source in RECIPES:
-                top3.append(s["rank"] is not None and s["rank"] <= 3)
-            print(line)
+        verdicts = published_runs.search_verdicts(rows, folder)
+        every = published_runs.search_verdicts(rows, folder, software=False)
+    for s, e in zip(verdicts, every):
+        where = f"rank {s['rank']}/{s['layouts']}" if s["rank"] else f"NOT AMONG THE FITS ({s['dropped']})"
+        print(f"  {s['id']:<26} {where:<14} {s['published']}; first: {s['top'][0]}"
+              + "".join(f"; compared {k}: rank {v}" for k, v in s["compared"].items())
+              + f"  [every ZeRO stage: rank {e['rank']}]")
     print(f"published best within the search's top 3 (recipes) or above the layouts compared with it: "
-          f"{sum(top3)}/{len(top3)}")
+          f"{sum(s['ok'] for s in verdicts)}/{len(verdicts)} (with every ZeRO stage offered, ZeRO-2 included: "
+          f"{sum(e['ok'] for e in every)}/{len(every)})")
 
 
 def scaling(errs: list[dict]) -> None:

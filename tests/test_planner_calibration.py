@@ -17,9 +17,11 @@ A100 = hardware.default_efficiency("a100-80gb")
 #: "Where the model is weak"): MT-NLG's three iteration times fit (m + 34) x 0.196 s + 6.3 s; the model has the
 #: bubble but no 6.3 s per-step term. The LM head on the last stage, the recomputation switches and the p2p / DP
 #: traffic on its fabric are counted and ruled out as the cause (the rows' `miss`).
-#: Issue 42's two: NeMo's GPT-3 20B (its distributed optimizer's rings would need the node's NICs striped, which
-#: Megatron-LM's own 2024 rows contradict) and Llama 3 8B with CP=2 (TE's CP attention beyond the ring exchange).
-KNOWN_MISSES = {"mt-nlg-530b-2240", "mt-nlg-530b-2800", "mt-nlg-530b-3360", "nemo-gpt3-20b", "nemo-llama3-8b-cp2"}
+#: Issue 42's: NeMo's GPT-3 5B and Megatron-LM's 2024 1.7B, whose compute alone is 21-24 % under the published step
+#: (the small-model class of NeMo's Llama 2 7B/13B, +12 %); one NIC per ring had stood in for it until Megatron-Core's
+#: distributed optimizer was striped over the node's NICs (perf_dp.stripes), which brought GPT-3 20B from -24 % to
+#: +14 %. Llama 3 8B with CP=2 is within 20 % since CP's attention is priced beyond the ring exchange (+19 %).
+KNOWN_MISSES = {"mt-nlg-530b-2240", "mt-nlg-530b-2800", "mt-nlg-530b-3360", "nemo-gpt3-5b", "megatron-h100-1.7b"}
 ASSUMABLE = {"micro_batch", "interleave", "batch", "gpus", "seq", "vocab", "checkpointing", "flash", "counts_recompute",
              "tp", "pp", "zero", "gpu", "inter_node_gbps", "attention", "tp_overlap", "optimizer_states"}
 
@@ -279,9 +281,11 @@ def test_the_slowest_stage_sets_the_slot_and_only_the_last_runs_the_head():
 
 
 def test_interleaved_megatron_syncs_each_chunk_behind_the_later_chunks_backwards():
-    # GPT-3 175B, NeMo's 128-GPU layout: tp 4, pp 8, dp 4 across nodes, distributed optimizer (ZeRO-1)
+    # GPT-3 175B, NeMo's 128-GPU layout: tp 4, pp 8, dp 4 across nodes, distributed optimizer (ZeRO-1); its rings
+    # stripe over the 2 members' NICs (perf_dp.stripes): 200 Gb/s each keeps the sync as slow as the effect needs
     spec = next(r for r in RUNS if r.id == "nemo-gpt3-175b-128").spec()
-    kw = dict(seq=2048, gpu="h100-sxm", gpus_per_node=8, efficiency=hardware.default_efficiency("h100-sxm"))
+    kw = dict(seq=2048, gpu="h100-sxm", gpus_per_node=8, efficiency=hardware.default_efficiency("h100-sxm"),
+              inter_node_gbps=200)
     base = dict(dp=4, tp=4, pp=8, micro_batch=1, microbatches=64, zero=1, sequence_parallel=True)
     flat, chunked = (perf_model.step_time(spec, perf_model.Layout(**base, interleave=v), **kw) for v in (1, 6))
     assert chunked.dp_total_s == pytest.approx(flat.dp_total_s)  # the same bytes on the same link

@@ -115,12 +115,6 @@ def test_no_published_layout_is_reported_as_not_fitting():
         assert planner.overflow(est, cap) == "", run.id
 
 
-def test_the_search_ranks_nvidia_s_340b_and_70b_recipes_first(tmp_path):
-    """Issue 42: the search recommended ZeRO-3 for Nemotron-4 340B, and never tried CP below 16K tokens."""
-    for rid in ("nemo-nemotron-340b", "nemo-llama3-70b-cp2"):
-        assert published_runs.search_rank(RUNS[rid], tmp_path)["rank"] == 1, rid
-
-
 def test_fsdp_stripes_its_collectives_over_the_node_s_nics():
     gpu = hardware.gpu_spec("h100-sxm")
     one = perf_dp.link_bandwidth(gpu, 64, 8, 400)

@@ -28,7 +28,8 @@ Megatron-LM's order (tp, cp fastest, then dp, then pp), so dp members share a no
 node. NCCL can stripe one ring over all of a node's NICs and beat this for groups with many members per
 node; the 2021 runs (Narayanan et al. 2021: Megatron's DDP, DeepSpeed's ZeRO-3 in Table 2) scale like the
 per-GPU NIC, and that is what the model assumes for them. Torch FSDP (`Layout.fsdp`: torchtitan, llm-foundry,
-Megatron-FSDP) stripes: one flat all-gather / reduce-scatter per layer, which NCCL splits into as many channels
+Megatron-FSDP) and, since issue 42, Megatron-Core's distributed optimizer stripe (`stripes`): one flat
+all-gather / reduce-scatter per layer or gradient bucket, which NCCL splits into as many channels
 as the group has members on a node, each crossing the node boundary on its own NIC -- the ring's inter-node
 bandwidth is those NICs together, up to NVLink's. Without it the multi-node FSDP rows cannot be reproduced
 (MosaicML's 13B on 64 H100s moves ~100 GB per GPU in a 0.85 s step: more than twice one 400 Gb/s NIC). Introduced in notebook 07_model_parallel.
@@ -70,6 +71,18 @@ def link_bandwidth(gpu, group: int, per_node: int, inter_node_gbps: float, rails
     return min(nvlink, rails * inter_node_gbps / 8 * 1e9 * comm_efficiency("network"))
 
 
+def stripes(lay) -> bool:
+    """Whether `lay`'s data-parallel rings cross nodes on all of a node's NICs (one per member on the node) rather
+    than one: torch FSDP's flat per-layer collectives, and Megatron-Core's distributed optimizer (ZeRO-1/2 on the
+    megatron stack and pipeline engine, overlapped), whose contiguous gradient buckets (>= 40M parameters,
+    `param_and_grad_buffer`) go out as one reduce-scatter / all-gather each -- messages of hundreds of MB that
+    NCCL spreads over all its channels, one per NIC on rail-optimized DGX/HGX nodes (8 NICs for 8 GPUs). DDP
+    and the DeepSpeed engine keep one NIC per ring: Narayanan 2021's ZeRO-3 rows (calibration) scale like it,
+    and the 2021 DDP rows cannot tell (+-2 %)."""
+    return lay.fsdp or (lay.zero in (1, 2) and lay.stack == "megatron" and lay.pipeline_engine == "megatron"
+                        and lay.dp_overlap)
+
+
 def exposed_behind(comm_s: float, compute_s: float) -> float:
     """Seconds a collective adds to the compute it overlaps: what sticks out, plus the share of the overlap
     that contention takes back (`overlap_efficiency`)."""
@@ -89,7 +102,7 @@ def dp_time(lay, *, gpu, layers: int, params_on_gpu: float, fwd_s: float, bwd_s:
     m, layer_bytes = lay.microbatches, 2 * params_on_gpu / layers  # bf16 weights and gradients
     f, b = fwd_s / layers, bwd_s / layers
     shard = min(lay.shard_group or d, d) if lay.zero else d
-    bw = link_bandwidth(gpu, shard, per_node, inter_node_gbps, rails=per_node if lay.fsdp else 1)
+    bw = link_bandwidth(gpu, shard, per_node, inter_node_gbps, rails=per_node if stripes(lay) else 1)
     grad_bytes = layer_bytes * (2 if lay.reduce_fp32 else 1)  # torchtitan's FSDP reduces gradients in fp32
     ag = comm.bytes_sent("all_gather", layer_bytes, shard)
     rs = comm.bytes_sent("reduce_scatter", grad_bytes, shard)

@@ -234,8 +234,9 @@ def _compute(spec, lay: Layout, seq: int, layers: int, rates: perf_ops.Rates, he
     att = layers * perf_ops.attention_s(spec, b, seq, q_seq, t, rates, lay.flash)
     head = perf_ops.head_s(spec, tok, t, rates) if head else 0.0
     per_tok = layers * tok / rates.hbm  # seconds per (byte per token and layer)
-    elem = per_tok * perf_ops.elementwise_bytes(spec, tp=t, sp=lay.sequence_parallel and t > 1, seq=seq,
-                                                flash=lay.flash, eager=lay.eager)
+    elem = per_tok * (perf_ops.elementwise_bytes(spec, tp=t, sp=lay.sequence_parallel and t > 1, seq=seq,
+                                                 flash=lay.flash, eager=lay.eager)
+                      + perf_ops.cp_merge_bytes(spec, t, lay.cp))
     core = per_tok * perf_ops.softmax_bytes(spec, t, seq, lay.eager) if not lay.flash else 0.0
     cast_f, cast_b = (per_tok * x for x in perf_ops.fp8_cast_bytes(spec, tok, t, fused=lay.stack == "megatron")) \
         if lay.precision == "fp8" else (0, 0)

@@ -115,13 +115,16 @@ def head_s(spec, tok: int, tp: int, rates: Rates) -> float:
 
 def attention_s(spec, b: int, seq: int, q_seq: int, tp: int, rates: Rates, flash: bool) -> float:
     """Forward seconds of one layer's attention core for `b` sequences whose `q_seq` queries (seq / cp) each
-    see `seq` keys. Flash: half the scores (causal) at the kernel's efficiency. Unfused (Megatron 2021-22):
-    QK^T and AV as per-head GEMMs over all s x s scores, the scores written and read through HBM."""
+    see `seq` keys. Flash: half the scores (causal) at the kernel's efficiency for the length ONE kernel call
+    sees: `q_seq` -- under context parallelism the ring runs cp calls of seq / cp queries against seq / cp keys
+    each (ring attention; Transformer Engine's CP), so the fixed work per query block and the causal diagonal
+    weigh as at that length (eta(s / cp), not eta(s)). Unfused (Megatron 2021-22): QK^T and AV as per-head GEMMs
+    over all s x s scores, the scores written and read through HBM."""
     a = spec.arch
     heads, hd = a["heads"] / tp, a["head_dim"]
     if flash:
         flops = 4 * b * q_seq * seq * heads * hd / 2
-        return flops / (rates.attention * seq / (seq + ATTENTION_S0))
+        return flops / (rates.attention * q_seq / (q_seq + ATTENTION_S0))
     batch = b * heads
     return batch * (gemm_s(q_seq, seq, hd, rates.gemm, rates.hbm) + gemm_s(q_seq, hd, seq, rates.gemm, rates.hbm))
 
@@ -158,6 +161,19 @@ def softmax_bytes(spec, tp: int, seq: int, eager: bool) -> float:
     scale-mask-softmax and the attention dropout over the token's heads x seq scores, 9 B per score fused
     (Megatron) or 17 B eager."""
     return (17 if eager else 9) * spec.arch["heads"] / tp * seq
+
+
+def cp_merge_bytes(spec, tp: int, cp: int) -> float:
+    """HBM bytes per token and layer (forward) of merging ring attention's partial results under context
+    parallelism: each of the cp - 1 steps after the first writes its partial output (bf16, 2 B per element of
+    the token's heads x head_dim / tp) and the merge reads it and reads and writes the running output in fp32
+    (8 B), rescaled by the log-sum-exps (Liu et al. 2023; Transformer Engine's AttnFuncWithCPAndKVP2P corrects
+    the output step by step). The backward accumulates dq (and dk, dv before they travel on) the same way: the
+    model's 2x the forward's bytes. 0 without CP. Byte counts from the algorithm, not measured on a GPU."""
+    if cp <= 1:
+        return 0.0
+    a = spec.arch
+    return (cp - 1) * 10 * a["heads"] * a["head_dim"] / tp
 
 
 def loss_bytes(spec, tp: int, eager: bool) -> float:

@@ -85,6 +85,9 @@ class PlanRequest:
     """TP collectives overlapped with the GEMMs beside them (Megatron's --tp-comm-overlap, torchtitan's AsyncTP)."""
     optimizer_states: str = "fp32"
     """Adam's moments in fp32 or bf16 (memory and the optimizer step's bytes)."""
+    zero_stages: tuple = (0, 1, 2, 3)
+    """ZeRO stages the search tries: those the run's software has (Megatron-Core: 0, 1 -- its distributed
+    optimizer -- and 3 -- Megatron-FSDP / torch FSDP; no ZeRO-2: `published_runs.ZERO_STAGES`)."""
     efficiency: Efficiency | None = None
     """Filled in (`labkit.parallel.hardware.matmul_efficiency`): value and source."""
 
@@ -105,6 +108,8 @@ class PlanRequest:
             object.__setattr__(self, "batch", 8 * self.gpus)
         if self.seq is None:
             object.__setattr__(self, "seq", min(spec.arch["max_seq"], 2048))
+        if not self.zero_stages or not set(self.zero_stages) <= {0, 1, 2, 3}:
+            raise ConfigError(f"zero_stages={self.zero_stages!r}; give some of 0, 1, 2, 3, e.g. (0, 1, 3)")
         if self.checkpointing not in ("full", "selective", "none"):
             raise choices_error("checkpointing", self.checkpointing, ("full", "selective", "none"))
         for name, allowed in (("stack", hardware.STACKS), ("attention", ("",) + tuple(hardware.ATTENTION_KERNELS)),
@@ -316,7 +321,7 @@ def plan(req: PlanRequest) -> Plan:
 def _options(req: PlanRequest, dp: int, tp: int, pp: int, cp: int, ep: int) -> list:
     """Every ZeRO stage and micro-batch size of one valid (dp, tp, pp, cp, ep)."""
     out = []
-    for zero in range(4 if dp > 1 else 1):
+    for zero in [z for z in range(4 if dp > 1 else 1) if z in req.zero_stages or dp == 1]:
         for b in MICRO_BATCH_SIZES:
             per_replica = req.batch // dp
             m = per_replica // b if per_replica % b == 0 else 0
@@ -364,7 +369,8 @@ def format_assumption(req: PlanRequest) -> str:
             + (f", {req.attention} attention at {a['attention_efficiency']:.0%}" if req.flash else
                ", unfused attention")
             + f"; NCCL at {a['comm_efficiency']:.0%} of NVLink and {a['network_efficiency']:.0%} of "
-            f"{a['inter_node_gbps']:g} Gb/s per GPU between nodes; checkpointing {req.checkpointing}"
+            f"{a['inter_node_gbps']:g} Gb/s per GPU between nodes (Megatron-Core's ZeRO-1/2 and torch FSDP's rings "
+            f"striped over their members' NICs); checkpointing {req.checkpointing}"
             + ("" if req.sequence_parallel else ", no sequence parallelism")
             + (f", interleave {req.interleave}" if req.interleave > 1 else "")
             + (", TP overlapped" if req.tp_overlap else "")

@@ -26,6 +26,13 @@ LAYOUT_FIELDS = ("checkpointing", "zero", "sequence_parallel", "interleave", "fl
                  "dp_overlap", "precision", "fused_kernels", "cp", "eager", "selective", "reduce_fp32", "tp_overlap",
                  "pipeline_engine", "pp_partition", "stack", "attention", "optimizer_states")
 
+#: ZeRO stages the software of a source's runs offers, for the best-layout search (`search_rank`): NeMo 24.07 and
+#: Megatron-Bridge 25.11 run Megatron-Core, whose distributed optimizer shards the optimizer states but keeps a
+#: full-size gradient buffer (ZeRO-1: `--use-distributed-optimizer`) and whose sharded-everything mode is FSDP
+#: (ZeRO-3: NeMo's torch FSDP, Megatron-FSDP); it has no ZeRO-2, so a recipe never chose against one. Sources not
+#: listed: every stage.
+ZERO_STAGES = {"nemo2024": (0, 1, 3), "bridge2025": (0, 1, 3)}
+
 
 @dataclass(frozen=True)
 class PublishedRun:
@@ -197,9 +204,10 @@ def hf_config(run: PublishedRun) -> dict:
             "n_inner": run.ffn or 4 * run.hidden, "vocab_size": run.vocab, "n_positions": run.seq}
 
 
-def search_rank(run: PublishedRun, folder) -> dict:
+def search_rank(run: PublishedRun, folder, *, software: bool = True) -> dict:
     """Where the best-layout search puts the row's layout: `labkit plan` with the row's model, GPUs, batch,
-    sequence and software (`folder` receives the model's config.json). `rank` is the row's (dp, tp, pp, cp,
+    sequence and software (`folder` receives the model's config.json; `software`: only the ZeRO stages that
+    software has, `ZERO_STAGES`; False: every stage). `rank` is the row's (dp, tp, pp, cp,
     ZeRO) among the layouts that fit, fastest first (its best micro-batch; None: not found among the fits, then
     `dropped` says why); `order` every fitting (dp, tp, pp, cp, zero) in that order; `top` the three fastest."""
     from pathlib import Path
@@ -215,7 +223,8 @@ def search_rank(run: PublishedRun, folder) -> dict:
                               precision=lay.precision, fsdp=lay.fsdp, fused_kernels=lay.fused_kernels,
                               stack=lay.stack, attention=lay.attention if lay.flash else "eager",
                               tp_overlap=lay.tp_overlap, optimizer_states=lay.optimizer_states,
-                              inter_node_gbps=run.inter_node_gbps)
+                              inter_node_gbps=run.inter_node_gbps,
+                              zero_stages=ZERO_STAGES.get(run.source, (0, 1, 2, 3)) if software else (0, 1, 2, 3))
     p = planner.plan(req)
     key = (run.dp, run.tp, run.pp, lay.cp, lay.zero)
     layouts = list(dict.fromkeys((o.dp, o.tp, o.pp, o.cp, o.zero) for o in p.fits))  # fastest micro-batch first
@@ -227,3 +236,30 @@ def search_rank(run: PublishedRun, folder) -> dict:
             "published": mine[0].layout + f" {mine[0].tokens_per_s_per_gpu:.0f} tok/s/GPU" if mine else None,
             "dropped": (mine[0].overflow if mine and not mine[0].fits else
                         next((r for d, t, pp, r in p.rejected if (d, t, pp) == key[:3]), "") if not mine else "")}
+
+
+#: Sources whose rows are tuned recipes (the vendor swept layouts and published the fastest).
+RECIPES = ("nemo2024", "bridge2025")
+#: Layouts a source ran head to head on the same model, GPUs and batch: (the published best, the others).
+COMPARED = {"megatron-t2-175b-384": ("zero3-175b-384",), "megatron-t2-175b-768": ("zero3-175b-768",),
+            "megatron-t2-175b-1536": ("zero3-175b-1536",)}
+
+
+def search_verdicts(rows, folder, *, software: bool = True) -> list[dict]:
+    """Issue 42's search criterion, row by row: a recipe's layout (`RECIPES`) within the search's top 3, a
+    compared layout (`COMPARED`) ranked above every layout it was compared with. Each `search_rank`'s dict plus
+    `ok` and `compared` ({id: rank}); `software` as in `search_rank`."""
+    by_id = {r.id: r for r in rows}
+    out = []
+    for r in [r for r in rows if r.source in RECIPES] + [by_id[k] for k in COMPARED if k in by_id]:
+        s = search_rank(r, folder, software=software)
+        compared = {}
+        for other in COMPARED.get(r.id, ()):  # its layout in the same search (same model, GPUs, batch)
+            o = by_id[other]
+            key = (o.dp, o.tp, o.pp, o.layout().cp, o.layout().zero)
+            compared[other] = s["order"].index(key) + 1 if key in s["order"] else None
+        ok = s["rank"] is not None and (all(c is None or s["rank"] < c for c in compared.values()) if compared
+                                        else s["rank"] <= 3)
+        out.append({**s, "ok": ok, "compared": compared})
+    return out
+
