@@ -149,3 +149,17 @@ def test_widget_builds():
 
     box = planner_widget(model="llama2-7b", gpus=8)
     assert len(box.children) == 3
+
+
+def test_cli_zero_stages_limits_the_search_to_the_stacks_stages(capsys):
+    """--zero-stages 0,1,3 (Megatron-Core/NeMo have no ZeRO-2): no ranked layout uses ZeRO-2; a bad list is
+    a one-line usage error (exit 2) naming the value and the form."""
+    argv = ["plan", "--model", "llama2-7b", "--gpus", "16", "--gpus-per-node", "8", "--json", "--batch", "64",
+            "--seq", "1024", "--top", "200"]
+    code, out, _ = run_main(argv, capsys)
+    assert code == 0 and 2 in {o["zero"] for o in json.loads(out)["fits"]}
+    code, out, _ = run_main(argv + ["--zero-stages", "0,1,3"], capsys)
+    data = json.loads(out)
+    assert code == 0 and {o["zero"] for o in data["fits"]} <= {0, 1, 3} and data["request"]["zero_stages"] == [0, 1, 3]
+    code, _, err = run_main(argv + ["--zero-stages", "1,5"], capsys)
+    assert code == 2 and "'1,5'; give stages from 0-3 separated by commas" in err

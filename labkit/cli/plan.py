@@ -7,7 +7,7 @@
 
 `--model` takes what `labkit memory estimate` takes: a preset, a Hugging Face id in the local cache, a folder
 or a config.json (llama, mistral, qwen2, mixtral, gpt2, gpt_neox, bloom, opt, falcon). --stack, --attention,
---tp-overlap and --optimizer-states describe the run's software (they reach the time and memory models). Core:
+--tp-overlap, --optimizer-states and --zero-stages describe the run's software (they reach the time and memory models). Core:
 `labkit.parallel.planner` (pure Python, no torch). With --dp/--tp/--pp it checks that one layout and prints
 its estimate or the reason it cannot run. Step times come from `labkit.parallel.perf_model` with the
 constants fitted to published runs (`labkit.parallel.hardware`); `--matmul-efficiency X` or `--measured FILE`
@@ -25,7 +25,20 @@ from labkit.parallel import hardware, planner
 #: PlanRequest fields the command passes through.
 REQUEST_KEYS = ("model", "gpus", "gpus_per_node", "gpu", "batch", "seq", "checkpointing", "matmul_efficiency",
                 "measured", "inter_node_gbps", "interleave", "flash", "sequence_parallel", "precision", "fsdp",
-                "stack", "attention", "tp_overlap", "optimizer_states")
+                "stack", "attention", "tp_overlap", "optimizer_states", "zero_stages")
+
+
+def _zero_stages(ctx, param, value):
+    """'0,1,3' -> (0, 1, 3): the ZeRO stages the run's software offers (Megatron-Core: no ZeRO-2)."""
+    if value is None:
+        return None
+    try:
+        stages = tuple(sorted({int(v) for v in value.split(",") if v.strip()}))
+    except ValueError:
+        stages = ()
+    if not stages or not set(stages) <= {0, 1, 2, 3}:
+        raise click.BadParameter(f"{value!r}; give stages from 0-3 separated by commas, e.g. 0,1,3")
+    return stages
 
 
 def run_plan(*, model: str, gpus: int, gpus_per_node: int, gpu: str = "a100-80gb", top: int = 10, dp=None, tp=None,
@@ -80,6 +93,8 @@ def format_layout(data: dict) -> str:
 @click.option("--cp", type=int, default=None, help="context-parallel degree (ring attention) with --dp/--tp/--pp")
 @click.option("--ep", type=int, default=None, help="expert-parallel degree (MoE models) with --dp/--tp/--pp")
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True, help="ZeRO stage with --dp/--tp/--pp")
+@click.option("--zero-stages", callback=_zero_stages, default=None, metavar="0,1,3",
+              help="the ZeRO stages the search may try (the stack's: Megatron-Core/NeMo have 0, 1, 3) [0,1,2,3]")
 @click.option("--fsdp", is_flag=True, help="ZeRO-3 as torch FSDP (the recompute reuses the backward's gather)")
 @click.option("--interleave", type=click.IntRange(1), default=1, show_default=True,
               help="virtual pipeline stages per rank (interleaved 1F1B) when pp > 1")
