@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +167,3 @@ def runs_of(results: list) -> list[ObservedRun]:
         if run.rehearsal_log is not None:
             out += observed_runs(run.rehearsal_log, run.cells())
     return out
-
-
-def as_dict(run: ObservedRun) -> dict[str, Any]:
-    return asdict(run)

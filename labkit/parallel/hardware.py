@@ -51,11 +51,6 @@ class GpuSpec:
     fp8_tflops: float = 0.0
     """Dense FP8 tensor-core peak; 0 = no FP8 tensor cores."""
 
-    @property
-    def network_gbs(self) -> float:
-        """Inter-node bandwidth per GPU in GB/s."""
-        return self.inter_node_gbps / 8
-
 
 #: Data sheets (dense peaks; NVLink per direction): A100 SXM 312 TFLOPS, NVLink3 600 GB/s bidirectional, HBM2e
 #: 2039 GB/s (80GB) / 1555 (40GB), DGX A100 8 x HDR 200 Gb/s; H100 SXM 989 bf16 / 1979 fp8, NVLink4 900 GB/s,

@@ -158,12 +158,6 @@ def runs(*, calibration_only: bool = False, held_out_only: bool = False) -> list
     return rows
 
 
-def best_mfu(gpu_family: str = "a100") -> float:
-    """The highest MFU any calibration row reports for this GPU family (the planner's ceiling)."""
-    return max(r.reported["mfu"] for r in runs(calibration_only=True)
-               if "mfu" in r.reported and hardware.gpu_family(r.gpu) == gpu_family)
-
-
 def compare(efficiency: hardware.Efficiency | None = None, rows=None) -> list[dict]:
     """One dict per run: layout, what the source reports, what the model predicts, relative error."""
     return [r.compare(efficiency) for r in (rows if rows is not None else runs())]

@@ -50,11 +50,6 @@ _ELEMENT = 4  # fp32
 REHEARSAL_MAX_BYTES = 2**20
 
 
-def ring_factor(n: int) -> float:
-    """2 (n-1)/n: bytes a rank sends per byte all-reduced (`labkit.parallel.comm`, notebook 03)."""
-    return comm.bus_factor("all_reduce", n)
-
-
 def bus_factor(op: str, n: int) -> float:
     """busbw / algbw for `op` on `n` ranks (nccl-tests PERFORMANCE.md): the bytes each rank sends per
     byte of S, `labkit.parallel.comm.bus_factor`, for the collectives this benchmark runs."""

@@ -106,10 +106,6 @@ class Policy:
         day = self.local(start).date()
         return self.at(day, self.overnight_start) <= start and end <= self.at(day, self.overnight_end)
 
-    def with_offset_hint(self, naive: dt.datetime) -> str:
-        """The same wall-clock time with this zone's UTC offset, to quote in error messages."""
-        return naive.replace(tzinfo=self.tz).isoformat()
-
 
 def default_policy_path() -> Path:
     """`reservations/policy.yaml` from the repository root, `policy.yaml` from inside `reservations/`
