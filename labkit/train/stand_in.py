@@ -117,7 +117,7 @@ def options_of(cfg) -> dict[str, Any]:
     its precision and ranks (the manifest's and `lab_runs`' options)."""
     from labkit.train.config import from_dict
 
-    base = from_dict({"strategy": cfg.run.strategy, "model": cfg.run.model, "profile": cfg.run.profile}).resolve()
+    base = from_dict({"strategy": cfg.run.strategy, "model": cfg.run.model, "profile": cfg.run.profile}).resolve(cfg.profile)
     flat, default = cfg.flat(), base.flat()
     own = {k: v for k, v in flat.items() if k not in _BOOKKEEPING and v != default[k]}
     return {**own, "amp": cfg.precision.amp, "nproc": cfg.launch.nproc}
