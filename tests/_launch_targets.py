@@ -56,10 +56,12 @@ def recorded_main(mode: str) -> None:
 
 # ---------------------------------------------------------------- jobs for warm ranks (tests/test_launch_warm.py)
 def parse_job(argv: list[str]):
-    """labkit.runtime.rank_pool's entry-point protocol: (profile, fn(ctx)). MODE TAG: ok, raise, hang as above
+    """labkit.runtime.rank_pool's entry-point protocol: (Profile, fn(ctx)). MODE TAG: ok, raise, hang as above
     (printing TAG), leak (changes what a run may change), state (prints what `leak` changed)."""
+    from labkit.profiles import get_profile
+
     mode, tag = argv[0], argv[1] if len(argv) > 1 else ""
-    return "smoke", lambda ctx: job(mode, tag, ctx)
+    return get_profile("smoke"), lambda ctx: job(mode, tag, ctx)
 
 
 def job(mode: str, tag: str, ctx) -> None:
