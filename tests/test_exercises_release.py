@@ -118,3 +118,19 @@ def test_released_memory_lab_runs_unattempted_and_check_lists_the_exercises(tmp_
     assert exit_.value.code == 1
     assert "TODO  model_state_bytes: not attempted" in report and "TODO  measure_state_bytes: not attempted" in report
     assert "+ 2 hidden tests (3 pts) when your instructor grades: they vary frozen layers" in report
+
+
+def test_results_of_labs_run_in_the_source_folder_are_not_released(tmp_path):
+    """A lab run from the course's notebooks/ writes runs/ there (gitignored); the release leaves it out, and
+    keeps what the course put beside the notebooks."""
+    import shutil
+
+    source = tmp_path / "notebooks"
+    source.mkdir()
+    shutil.copy2(SOURCE / "00_setup.ipynb", source)
+    (source / "runs" / "03_ddp" / "smoke").mkdir(parents=True)
+    (source / "runs" / "03_ddp" / "smoke" / "results.jsonl").write_text("{}\n")
+    (source / "data.txt").write_text("shipped with the labs")
+    make_release(tmp_path / "out", source)
+    assert not (tmp_path / "out" / "notebooks" / "runs").exists()
+    assert (tmp_path / "out" / "notebooks" / "data.txt").read_text() == "shipped with the labs"

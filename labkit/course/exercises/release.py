@@ -19,7 +19,9 @@ from labkit.errors import GradingError
 
 #: File written at the top of a release: `assign` only ever replaces folders of a previous release.
 STAMP = ".labkit-release"
-_SKIP = {"tests", ".ipynb_checkpoints", "__pycache__"}
+#: Not copied beside the notebooks: tests (copied below, split), editor caches, and `runs/`, where a lab run
+#: from the source folder writes its results (the instructor's measurements are not the students' to start with).
+_SKIP = {"tests", ".ipynb_checkpoints", "__pycache__", "runs"}
 
 
 @dataclass(frozen=True)
