@@ -90,6 +90,17 @@ def start_kernel_like(code: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def until_line(proc: subprocess.Popen, prefix: str, what: str) -> None:
+    """Read `proc`'s output up to a line starting with `prefix`; fail with what it printed if it ends first
+    (pytest-timeout bounds a process that neither prints nor ends)."""
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if line.startswith(prefix):
+            return
+    pytest.fail(f"{what}: the process ended (exit {proc.wait()}) after printing:\n{''.join(out)[-4000:]}")
+
+
 def pool_below(proc: subprocess.Popen) -> list[int]:
     def ranks():
         return [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
@@ -110,7 +121,7 @@ def test_interrupt_during_a_warm_run_kills_every_rank():
     """)
     try:
         pids = pool_below(proc)
-        wait_for(lambda: proc.stdout.readline().startswith("first done"), SLOW_S, "the first run did not finish")
+        until_line(proc, "first done", "the first run did not finish")
         proc.send_signal(signal.SIGINT)
         wait_for(lambda: proc.poll() is not None, GONE_S, "the caller did not return after SIGINT")
         assert "interrupted" in proc.communicate()[0]
@@ -131,7 +142,7 @@ def test_killed_caller_takes_its_idle_warm_ranks_with_it():
     """)
     try:
         pids = pool_below(proc)
-        wait_for(lambda: proc.stdout.readline().startswith("idle"), SLOW_S, "the run did not finish")
+        until_line(proc, "idle", "the run did not finish")
     finally:
         proc.kill()  # SIGKILL, as a kernel restart: no atexit, no handler
         proc.wait()
