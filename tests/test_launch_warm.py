@@ -109,19 +109,24 @@ def pool_below(proc: subprocess.Popen) -> list[int]:
     return ranks()
 
 
-def test_interrupt_during_a_warm_run_kills_every_rank():
+def test_interrupt_during_a_warm_run_kills_every_rank(tmp_path):
+    env = {**ENV, "LABKIT_TEST_PID_DIR": str(tmp_path)}  # rank 1 of `hang` says there when it hangs
     proc = start_kernel_like(f"""
         from labkit.runtime import rank_pool
-        rank_pool.run({TARGET!r}, ['ok'], nproc=2, stream=False, timeout_s=600, env={ENV!r})
+        rank_pool.run({TARGET!r}, ['ok'], nproc=2, stream=False, timeout_s=600, env={env!r})
         print('first done', flush=True)
         try:
-            rank_pool.run({TARGET!r}, ['hang'], nproc=2, stream=False, timeout_s=600, env={ENV!r})
+            rank_pool.run({TARGET!r}, ['hang'], nproc=2, stream=False, timeout_s=600, env={env!r})
         except KeyboardInterrupt:
             print('interrupted', flush=True)
     """)
     try:
         pids = pool_below(proc)
         until_line(proc, "first done", "the first run did not finish")
+        # Interrupt DURING the second run (its rank 1 hangs), not between the two: a loaded run once sent
+        # SIGINT before the caller reached its `try:`
+        wait_for(lambda: (tmp_path / "hanging").exists() or proc.poll() is not None, SLOW_S,
+                 "the second run's rank 1 did not start hanging")
         proc.send_signal(signal.SIGINT)
         wait_for(lambda: proc.poll() is not None, GONE_S, "the caller did not return after SIGINT")
         assert "interrupted" in proc.communicate()[0]
