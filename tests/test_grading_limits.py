@@ -21,6 +21,7 @@ import psutil
 import pytest
 from nbformat.v4 import new_code_cell
 
+from conftest import command_line
 from labkit.course.exercises.source import exercise_id
 from labkit.course.grading import confine, unprivileged
 
@@ -182,14 +183,6 @@ def _tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-def _command_line(proc: psutil.Process) -> str:
-    """`proc`'s command line, or "" once it has exited (it can end between listing and reading)."""
-    try:
-        return " ".join(proc.cmdline())
-    except psutil.Error:
-        return ""
-
-
 def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     out = []
     for p in procs:
@@ -226,7 +219,7 @@ def test_no_process_outlives_a_killed_grader(tmp_path):
         grader, marker = graders[name]
         assert grader.poll() is None, f"the {name} grader ended before its sandbox was up"
         seen[name] = _tree(grader.pid)
-        return sum(marker in _command_line(p) for p in _alive(seen[name])) >= (2 if marker == "_rank" else 1)
+        return sum(marker in command_line(p) for p in _alive(seen[name])) >= (2 if marker == "_rank" else 1)
 
     for name in graders:
         _wait_for(lambda: running(name), f"the {name} grader's sandbox")
@@ -236,5 +229,5 @@ def test_no_process_outlives_a_killed_grader(tmp_path):
     everyone = [p for procs in seen.values() for p in procs]
     assert len(everyone) >= 6
     _wait_for(lambda: not _alive(everyone),
-              lambda: f"every sandboxed process to die; alive: {[_command_line(p)[:200] for p in _alive(everyone)]}",
+              lambda: f"every sandboxed process to die; alive: {[command_line(p)[:200] for p in _alive(everyone)]}",
               timeout_s=120)
