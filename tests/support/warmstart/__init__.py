@@ -7,19 +7,19 @@ import sys
 from pathlib import Path
 
 HOOK = "warmstart.hook"
+#: The folder that holds this package (tests/support).
+SUPPORT = str(Path(__file__).resolve().parent.parent)
 
 
 def install() -> None:
     """Make this package importable here and name its hook to labkit for every process started from here
     (tests/conftest.py; bench/warm_ranks.py and bench/warm_kernels.py)."""
-    support = str(Path(__file__).resolve().parent.parent)
-    if support not in sys.path:
-        sys.path.insert(0, support)
-    os.environ["LABKIT_TEST_HOOK"] = f"{support}:{HOOK}"  # found by a process whose PYTHONPATH a test replaced
+    if SUPPORT not in sys.path:
+        sys.path.insert(0, SUPPORT)
+    os.environ["LABKIT_TEST_HOOK"] = f"{SUPPORT}:{HOOK}"  # found by a process whose PYTHONPATH a test replaced
 
 
 def run_command(module: str) -> list[str]:
     """`-m MODULE` for `python`, found whatever the started process's PYTHONPATH (a test may replace it)."""
-    support = str(Path(__file__).resolve().parent.parent)
-    return ["-c", f"import runpy, sys; sys.path.append({support!r}); "
+    return ["-c", f"import runpy, sys; sys.path.append({SUPPORT!r}); "
                   f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"]
