@@ -127,3 +127,12 @@ def test_the_wheels_fit_and_are_pinned():
 def test_the_notebooks_it_runs_exist():
     assert set(gpu_check.NOTEBOOKS) == {"00_setup", "01_memory", "02_single_gpu", "06_peft"}
     assert all((ROOT / "notebooks" / f"{name}.ipynb").is_file() for name in gpu_check.NOTEBOOKS)
+
+
+def test_the_docs_state_each_cap_as_the_table_has_it():
+    text = (ROOT / "docs" / "gpu-node.md").read_text()
+    for check in gpu_check.CHECKS:
+        if not check.key.startswith("nb-"):
+            assert f"(`{check.key}`) | {check.cap_s:g} s |" in text, check.key
+    notebooks = [c for c in gpu_check.CHECKS if c.key.startswith("nb-")]
+    assert f"| {', '.join(f'{c.cap_s:g}' for c in notebooks)} s |" in text

@@ -191,7 +191,10 @@ def run_capped(args: list[str], cap_s: float, log: Path, *, reap: bool = False) 
             proc.wait(timeout=cap_s)
             over = False
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the check and everything in its group
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the check and everything in its group
+            except ProcessLookupError:  # it ended just now, and its group with it
+                pass
             proc.wait()
             over = True
     left_behind = reap_adopted() if reap else []
