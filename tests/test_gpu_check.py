@@ -136,3 +136,14 @@ def test_the_docs_state_each_cap_as_the_table_has_it():
             assert f"(`{check.key}`) | {check.cap_s:g} s |" in text, check.key
     notebooks = [c for c in gpu_check.CHECKS if c.key.startswith("nb-")]
     assert f"| {', '.join(f'{c.cap_s:g}' for c in notebooks)} s |" in text
+
+
+@pytest.mark.slow  # starts a notebook kernel
+def test_the_notebook_check_runs_a_notebook_through_papermill_on_cpu(tmp_path):
+    """The GPU-only notebook check's own code (kernel spec, papermill's integer cell timeout), on smoke."""
+    import time
+
+    ctx = gpu_checks.Context(out=tmp_path, gpu=False, deadline=time.monotonic() + 300, profile="smoke")
+    result = gpu_checks.check_notebook(ctx, "00_setup")
+    assert result.status == "pass", result.why
+    assert (tmp_path / "executed" / "00_setup.ipynb").is_file()

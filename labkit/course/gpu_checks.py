@@ -154,8 +154,9 @@ def _labkit_gpu_spawn() -> str:
     return ("from labkit.course.exercises.spawn import spawn as s, warm_ranks\n"
             "import torch\n"
             "def f(rank, world):\n    torch.cuda.set_device(rank); return torch.zeros(1, device='cuda').device.type\n"
-            "with warm_ranks():\n"
-            f"    print(s(f, world=1, profile={PROFILE!r}, imports=('transformers.models.llama.modeling_llama',)))\n")
+            "if __name__ == '__main__':\n"
+            "    with warm_ranks():\n"
+            f"        print(s(f, world=1, profile={PROFILE!r}, imports=('transformers.models.llama.modeling_llama',)))\n")
 
 
 def _probe(env: dict) -> subprocess.Popen:
@@ -206,7 +207,7 @@ def check_notebook(ctx: Context, name: str) -> Result:
 
     _ensure_kernel()
     path = notebooks.find_notebooks([name])[0]
-    run = notebooks.run_notebook(path, profile=ctx.profile, out_dir=ctx.out / "executed", timeout_s=max(1.0, ctx.left()))
+    run = notebooks.run_notebook(path, profile=ctx.profile, out_dir=ctx.out / "executed", timeout_s=max(1, int(ctx.left())))
     return Result(f"notebook {name} on {ctx.profile}", "pass" if run.ok else "fail", run.describe(),
                   data={"executed": str(run.output)})
 
