@@ -123,15 +123,24 @@ def check_node_health(ctx: Context) -> Result:
     return Result("node health", "fail" if bad else "pass", "; ".join(bad), data={"readings": readings})
 
 
+_BNB_PROBE = ("import json, bitsandbytes as b, bitsandbytes.cextension as c; lib = getattr(c, 'lib', None); "
+              "print(json.dumps({'version': b.__version__, 'class': type(lib).__name__, "
+              "'file': str(getattr(getattr(lib, '_lib', None), '_name', '')), 'backend': str(getattr(c, 'BNB_BACKEND', ''))}))")
+
+
 def check_bitsandbytes(ctx: Context) -> Result:
-    code, out = subprocess_tail([sys.executable, "-c", "import bitsandbytes as b, bitsandbytes.cextension as c, json; "
-                                 "print(json.dumps({'version': b.__version__, 'lib': str(getattr(c, 'lib', None))}))"],
-                                ctx.left())
+    """The native library bitsandbytes loaded: its CUDA build (libbitsandbytes_cudaXYZ.so), not the CPU one
+    nor the stand-in it uses when no library loads (ErrorHandlerMockBNBNativeLibrary)."""
+    code, out = subprocess_tail([sys.executable, "-c", _BNB_PROBE], ctx.left())
     if code != 0 and "No module named 'bitsandbytes'" in out:
         raise Skip("bitsandbytes is not installed (its ~60-MiB wheel exceeds the image's wheel budget)")
-    lib = out.strip().splitlines()[-1] if out.strip() else ""
-    ok = code == 0 and "cuda" in lib.lower()
-    return Result("bitsandbytes CUDA library", "pass" if ok else "fail", lib if ok else out[-500:], data={"out": lib})
+    try:
+        lib = json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return Result("bitsandbytes CUDA library", "fail", f"exit {code}: {out[-500:]}")
+    ok = code == 0 and "cuda" in Path(lib["file"]).name.lower() and "Mock" not in lib["class"]
+    why = f"bitsandbytes {lib['version']} loaded {Path(lib['file']).name or 'no library'} ({lib['class']})"
+    return Result("bitsandbytes CUDA library", "pass" if ok else "fail", why + (f": {out[-300:]}" if code else ""), data=lib)
 
 
 _FORK_PROBE = r"""
