@@ -147,3 +147,12 @@ def test_the_notebook_check_runs_a_notebook_through_papermill_on_cpu(tmp_path):
     result = gpu_checks.check_notebook(ctx, "00_setup")
     assert result.status == "pass", result.why
     assert (tmp_path / "executed" / "00_setup.ipynb").is_file()
+
+
+def test_each_gpu_only_check_names_cpu_tests_that_exist():
+    import re
+
+    for check in gpu_check.CHECKS:
+        named = re.findall(r"tests/test_\w+\.py", check.cpu)
+        assert bool(named) == bool(check.cpu), check.key
+        assert all((ROOT / path).is_file() for path in named), (check.key, named)
