@@ -117,11 +117,15 @@ rehearse: venv ds-ops
 	$(BIN)/labkit notebooks run --profile $(PROFILE) --rehearse --out $(BUILD)/rehearsed/$(PROFILE)
 
 # The acceptance check for the first GPU (docs/gpu-node.md; labkit/course/gpu_check.py): under 8 minutes,
-# build/gpu-check/report.{json,md}. Without a GPU it rehearses (GPU-only checks skipped, saying why); it runs
-# in `make test` (tests/test_gpu_check.py). On a stock PyTorch CUDA image without our venv:
+# build/gpu-check/report.{json,md}. Each check has its own cap (machine 25 s, wheels 5, node health 10,
+# bitsandbytes 15, G1 35, memory 40, ResNet-50 AMP 25, LLM MFU 25, notebooks 00/01/06/02 20/30/55/85,
+# preflight slice 80: 450 of 480 s) and runs in its own interpreter, killed at its cap (a fail naming it).
+# Without a GPU it rehearses (GPU-only checks skipped, saying why); it runs in `make test`
+# (tests/test_gpu_check.py). On a stock PyTorch CUDA image without our venv:
 # `make gpu-check GPU_PY=python3` after `pip install --no-index build/gpu-check/wheels/*.whl`.
+# When a GPU is at hand, commit build/gpu-check/report.md under docs/gpu-check/ (machine and date).
 GPU_PY ?=
-# GPU_CHECK_ARGS: e.g. --budget 900 when the machine is yours for longer than 8 minutes.
+# GPU_CHECK_ARGS: --only g1,memory reruns those checks (the report keeps the others' lines); --budget S.
 GPU_CHECK_ARGS ?=
 gpu-check: $(if $(GPU_PY),,venv)
 	$(or $(GPU_PY),$(BIN)/python) scripts/gpu_check.py --out $(BUILD)/gpu-check $(GPU_CHECK_ARGS)

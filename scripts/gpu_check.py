@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """`make gpu-check`: the acceptance check for the first GPU (labkit.course.gpu_check; docs/gpu-node.md).
 
-    python scripts/gpu_check.py [--out build/gpu-check] [--budget 480]
+    python scripts/gpu_check.py [--out build/gpu-check] [--budget 480] [--only g1,memory]
 
 Runs from a checkout without installing labkit (a stock PyTorch CUDA image plus the wheels of
-`make gpu-check-wheels`); writes OUT/report.json and OUT/report.md after every check. Exit 1 if any check
-failed; skipped checks (no GPU here, a missing wheel, the budget spent) say why.
+`make gpu-check-wheels`); writes OUT/report.json and OUT/report.md after every check, each check in its own
+interpreter under its cap (CHECKS). Exit 1 if any check failed; skipped checks (no GPU here, a missing
+wheel, a cap that no longer fits the budget) say why; `--only` reruns chosen checks, keeping the others' lines.
 """
 import os
 import sys

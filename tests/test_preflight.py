@@ -187,3 +187,23 @@ def test_the_comm_file_notebook_03_reads_is_checked_on_a_gpu_profile(tmp_path, m
     [fine] = preflight.comm_file_check(A100, own)
     assert fine.status == "ok" and "what notebook 03 uses" in fine.detail
     assert preflight.comm_file_check(get_profile("smoke"), own) == []
+
+
+# ------------------------------------------------------- --strategies: the slice `make gpu-check` runs
+def test_a_strategies_slice_trains_only_their_runs_and_an_unknown_name_lists_the_valid_ones(tmp_path, monkeypatch):
+    from labkit.cli.preflight import chosen_strategies
+    from labkit.errors import ConfigError
+
+    launched = []
+
+    def launch_dies(runs, *args, **kwargs):  # what would be trained, without starting ranks
+        launched.append([own["run_id"].rsplit("-", 1)[-1] for _, own in runs])
+        raise LaunchError("stopped by the test")
+
+    monkeypatch.setattr("labkit.train.many.run_many", launch_dies)
+    checks = preflight.run("smoke", out=tmp_path, steps=2, strategies=("ddp",))
+    assert launched == [["ddp"]]
+    assert {c.strategy for c in checks if c.kind == "strategy"} == {"ddp"}  # no `single` run in this process
+    assert chosen_strategies("h100x1", "ddp, fsdp") == ("ddp", "fsdp") and chosen_strategies("h100x1", None) is None
+    with pytest.raises(ConfigError, match="'dpp'.*ddp, fsdp"):
+        chosen_strategies("h100x1", "dpp")

@@ -111,9 +111,9 @@ def labs_checks(profile: Profile) -> list[Check]:
 
 
 def run(profile: str | Profile, *, out: str | Path = "build/preflight", steps: int = 3,
-        burn_in_s: float = 0.0) -> list[Check]:
-    """Every check for `profile` on this machine, under a new run id; everything measured lands in OUT.
-    `burn_in_s` (at most `node_health.BURN_IN_S`): every GPU at dense matmuls that long (throttling)."""
+        burn_in_s: float = 0.0, strategies: tuple[str, ...] | None = None) -> list[Check]:
+    """Every check for `profile` on this machine, under a new run id; everything measured lands in OUT. `burn_in_s`
+    (at most `node_health.BURN_IN_S`): every GPU at dense matmuls that long; `strategies`: train only their runs."""
     from labkit.runtime.envinfo import require
 
     node_health.check_burn_in(burn_in_s)
@@ -124,10 +124,10 @@ def run(profile: str | Profile, *, out: str | Path = "build/preflight", steps: i
     run_id = new_run_id()
     checks = labs_checks(prof) + health_checks(node_health.read())
     common = dict(profile=prof.name, steps=steps, warmup_steps=1, eval_batches=0, progress=False, out=str(out))
-    plan = [(s, m, o, f"{run_id}-{i:02d}-{s}") for i, (s, m, o) in enumerate(runs_for(prof))]
+    plan = [(s, m, o, f"{run_id}-{i:02d}-{s}") for i, (s, m, o) in enumerate(runs_for(prof)) if s in (strategies or [s])]
     checks += [_single(model, options, {**common, "run_id": rid}) for s, model, options, rid in plan if s == "single"]
     many = [(s, {**o, "model": m, "run_id": rid}) for s, m, o, rid in plan if s != "single"]
-    checks += accelerate_checks(prof, out, steps)
+    checks += accelerate_checks(prof, out, steps, train=strategies is None or "fsdp" in strategies)
     checks += _train_many(prof, many, common, out, run_id, burn_in_s)
     probes = load_probes(out, run_id)
     topology = node_probes.rank_topology(node_probes.read_topology(), prof.nproc) if prof.device == "cuda" else {}
@@ -174,7 +174,7 @@ def record_matmul(out: Path, profile: Profile, probes: dict | None) -> list[Chec
                   f"or --matmul-efficiency {share:.2f})")]
 
 
-def accelerate_checks(profile: Profile, out: Path, steps: int) -> list[Check]:
+def accelerate_checks(profile: Profile, out: Path, steps: int, train: bool = True) -> list[Check]:
     """FSDP1 through accelerate (notebook 04): each variant's config builds the plugin it asks for
     (accelerate's own parsing, `accelerate_config.plugin_problems`); on a GPU profile `fsdp` also
     trains under `accelerate launch` and must really be FSDP, not silently DDP (unverified on GPUs here)."""
@@ -188,7 +188,7 @@ def accelerate_checks(profile: Profile, out: Path, steps: int) -> list[Check]:
         fix = "fix labkit.parallel.accelerate_config.config_dict for this accelerate version" if problems else ""
         checks.append(Check("accelerate", f"accelerate-{strategy}", "failed" if problems else "ok",
                             time.perf_counter() - start, detail, fix))
-    if profile.device == "cuda":
+    if profile.device == "cuda" and train:
         start = time.perf_counter()
         try:
             record = accelerate_fsdp.run("fsdp", profile.llm_model, profile=profile.name, nproc=profile.nproc,
