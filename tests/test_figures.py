@@ -1,5 +1,6 @@
-"""labkit.viz.figures: the tables behind the lecture figures agree with the papers and with labkit's other
-models (pipeline bubble, schedule_plot, memory estimate, planner); every figure draws headless."""
+"""labkit.viz.figures, collectives and simulated_schedule: the tables behind the lecture figures agree with the
+papers and with labkit's other models (pipeline bubble, schedule_plot, memory estimate, planner); every figure
+draws headless."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +15,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from labkit.parallel import comm  # noqa: E402
+from labkit.viz import collectives  # noqa: E402
 from labkit.viz import figures as F  # noqa: E402
+from labkit.viz import simulated_schedule as sim  # noqa: E402
 from labkit.errors import ConfigError  # noqa: E402
 
 
@@ -27,10 +30,10 @@ def _texts(fig) -> str:
 def test_ring_allreduce_sums_everywhere_and_each_rank_sends_2_n_minus_1_chunks(n):
     rng = random.Random(n)
     values = [[rng.randint(-50, 50) for _ in range(n)] for _ in range(n)]
-    final, history = F.simulate_ring_allreduce(values)
+    final, history = collectives.simulate_ring_allreduce(values)
     column_sums = [sum(values[r][c] for r in range(n)) for c in range(n)]
     assert all(row == column_sums for row in final)
-    plan = F.ring_allreduce_plan(n)
+    plan = collectives.ring_allreduce_plan(n)
     assert len(plan) == 2 * (n - 1)
     for rank in range(n):  # 2 (N-1) chunks of S/N: 2 (N-1)/N x S per rank, to the right neighbour only
         sends = [(dst, c) for step in plan for src, dst, c in step["sends"] if src == rank]
@@ -43,17 +46,17 @@ def test_ring_allreduce_sums_everywhere_and_each_rank_sends_2_n_minus_1_chunks(n
 
 def test_ring_rejects_a_ragged_buffer():
     with pytest.raises(ConfigError, match="n x n"):
-        F.simulate_ring_allreduce([[1.0, 2.0], [3.0]])
+        collectives.simulate_ring_allreduce([[1.0, 2.0], [3.0]])
 
 
-@pytest.mark.parametrize("schedule", F.SCHEDULE_NAMES)
+@pytest.mark.parametrize("schedule", sim.SCHEDULE_NAMES)
 @pytest.mark.parametrize("stages,micro", [(2, 1), (2, 4), (4, 8), (3, 7), (8, 16), (4, 2)])
 def test_pipeline_table_bubble_matches_the_formula_and_respects_dependencies(schedule, stages, micro):
     from labkit.parallel.pipeline import bubble_fraction
 
-    table = F.pipeline_table(stages, micro, schedule)
+    table = sim.pipeline_table(stages, micro, schedule)
     assert len(table) == 2 * stages * micro
-    assert F.table_bubble(table) == pytest.approx(bubble_fraction(stages, micro))
+    assert sim.table_bubble(table) == pytest.approx(bubble_fraction(stages, micro))
     end = {(op.kind, op.stage, op.micro): op.end for op in table}
     for op in table:
         if op.kind == "F" and op.stage > 0:
@@ -66,15 +69,15 @@ def test_pipeline_table_bubble_matches_the_formula_and_respects_dependencies(sch
         mine = [op for op in table if op.stage == s]
         assert all(a.end <= b.start for a, b in zip(mine, mine[1:]))
         expected = micro if schedule == "gpipe" else min(stages - s, micro)
-        assert F.in_flight(table, s) == expected  # GPipe holds m, 1F1B at most p - s (Narayanan 2021)
+        assert sim.in_flight(table, s) == expected  # GPipe holds m, 1F1B at most p - s (Narayanan 2021)
 
 
 def test_pipeline_table_agrees_with_schedule_plot():
     from labkit.viz.pipeline_schedule import max_in_flight, measured_bubble, replay
 
-    table = F.pipeline_table(4, 8, "1f1b")
-    events = F.schedule_events(table)
-    assert measured_bubble(events) == pytest.approx([F.table_bubble(table)] * 4)
+    table = sim.pipeline_table(4, 8, "1f1b")
+    events = sim.schedule_events(table)
+    assert measured_bubble(events) == pytest.approx([sim.table_bubble(table)] * 4)
     assert max_in_flight(events) == [4, 3, 2, 1]
     key = lambda e: (e["stage"], e["t0"])  # noqa: E731
     assert sorted(replay(events), key=key) == sorted(events, key=key)
@@ -82,7 +85,7 @@ def test_pipeline_table_agrees_with_schedule_plot():
 
 def test_pipeline_rejects_unknown_schedule():
     with pytest.raises(ConfigError, match="interleaved.*gpipe, 1f1b"):
-        F.pipeline_table(4, 8, "interleaved")
+        sim.pipeline_table(4, 8, "interleaved")
 
 
 def test_checkpointing_memory_is_minimal_near_sqrt_n():
@@ -133,8 +136,8 @@ def test_plan_chart_draws_the_planners_best_layouts():
 
 
 @pytest.mark.parametrize("draw", [
-    lambda: F.ring_allreduce_steps(3), lambda: F.allreduce_traffic(16), F.checkpointing_tradeoff,
-    lambda: F.pipeline_schedule(3, 4), lambda: F.tensor_split(4)])
+    lambda: collectives.ring_allreduce_steps(3), lambda: collectives.allreduce_traffic(16),
+    F.checkpointing_tradeoff, lambda: sim.pipeline_schedule(3, 4), lambda: F.tensor_split(4)])
 def test_figures_draw_headless(draw, tmp_path):
     fig = draw()
     fig.savefig(tmp_path / "f.png", dpi=40)
@@ -143,19 +146,19 @@ def test_figures_draw_headless(draw, tmp_path):
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda: F.ring_allreduce_steps(1), "n >= 2"), (lambda: F.tensor_split(9), "tp=9"),
-    (lambda: F.pipeline_table(0, 4), "stages=0"), (lambda: F.zero_partitioning(gpus=0), "gpus=0")])
+    (lambda: collectives.ring_allreduce_steps(1), "n >= 2"), (lambda: F.tensor_split(9), "tp=9"),
+    (lambda: sim.pipeline_table(0, 4), "stages=0"), (lambda: F.zero_partitioning(gpus=0), "gpus=0")])
 def test_bad_arguments_name_the_value(call, match):
     with pytest.raises(ConfigError, match=match):
         call()
 
 
 def test_the_exercise_grid_counts_slots_and_leaves_the_answer_out():
-    fig = F.pipeline_schedule(4, 4, "gpipe", backward=1.0, answer=False)
+    fig = sim.pipeline_schedule(4, 4, "gpipe", backward=1.0, answer=False)
     ax = fig.axes[0]
     assert ax.get_title() == "GPipe: p = 4, m = 4" and "holds" not in " ".join(t.get_text() for t in ax.texts)
     assert list(ax.get_xticks()) == list(range(15))  # 2 (m + p - 1) = 14 one-slot columns
-    assert "bubble" in F.pipeline_schedule(4, 4, "gpipe").axes[0].get_title()
+    assert "bubble" in sim.pipeline_schedule(4, 4, "gpipe").axes[0].get_title()
     plt.close("all")
 
 

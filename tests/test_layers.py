@@ -147,3 +147,28 @@ def test_nothing_in_labkit_exists_only_for_the_test_suite():
     assert not [p for p in PKG.rglob("*.py") if p.stem in ("rank_zygote", "warm_kernels", "forking")]
     named = [str(p.relative_to(ROOT)) for p in PKG.rglob("*.py") if p.name != "hooks.py" and any(word in p.read_text() for word in ("warmstart", "rank_zygote", "LABKIT_WARM_KERNELS", "LABKIT_RANK_ZYGOTE"))]
     assert named == [], named
+
+
+#: STYLE.md rule 13: modules well under 400 lines. A module over it holds two things; split it by what they are.
+LINE_LIMIT = 400
+
+
+def too_long(mods: dict[str, Path], limit: int = LINE_LIMIT) -> list[str]:
+    """'module: N lines' for each module of `mods` longer than `limit` lines, longest first."""
+    counts = {name: len(path.read_text().splitlines()) for name, path in mods.items()}
+    return [f"{name}: {n} lines" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]) if n > limit]
+
+
+def test_every_module_stays_within_the_line_limit():
+    over = too_long(MODULES)
+    assert over == [], (f"over {LINE_LIMIT} lines (STYLE.md 13); move a group of functions that belong together "
+                        "to a sibling module named for what it holds:\n" + "\n".join(over))
+
+
+def test_the_line_limit_can_fail(tmp_path):
+    sizes = {"labkit.short": 12, "labkit.at_limit": LINE_LIMIT, "labkit.over": LINE_LIMIT + 1}
+    mods = {}
+    for name, n in sizes.items():
+        mods[name] = tmp_path / f"{name}.py"
+        mods[name].write_text("x = 1\n" * n)
+    assert too_long(mods) == [f"labkit.over: {LINE_LIMIT + 1} lines"]

@@ -1,4 +1,5 @@
-"""The notebook runner, hygiene check and cleaner (labkit.course.notebooks) on throwaway notebooks."""
+"""The notebook runner, hygiene check and cleaner (labkit.course.notebooks, notebook_hygiene) on throwaway
+notebooks."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ import os
 import nbformat
 import pytest
 
+from labkit.course import notebook_hygiene as hygiene
 from labkit.course import notebooks as nbk
 from labkit.cli import main
 from labkit.errors import ConfigError, NotebookError
@@ -143,8 +145,8 @@ def test_clean_strips_outputs_and_keeps_every_source(runs, tmp_path):
     dirty = tmp_path / "dirty.ipynb"
     dirty.write_bytes(runs["20_fail"].output.read_bytes())
     before = nbformat.read(dirty, as_version=4)
-    assert nbk.check_hygiene(dirty)  # an executed copy is not committable
-    stripped = nbk.clean(dirty)
+    assert hygiene.check_hygiene(dirty)  # an executed copy is not committable
+    stripped = hygiene.clean(dirty)
     assert any("outputs" in s for s in stripped) and any("execution counts" in s for s in stripped)
     after = nbformat.read(dirty, as_version=4)
     assert all(c.outputs == [] and c.execution_count is None for c in after.cells if c.cell_type == "code")
@@ -152,15 +154,15 @@ def test_clean_strips_outputs_and_keeps_every_source(runs, tmp_path):
     kept = lambda nb: [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in nb.cells  # noqa: E731
                        if nbk.ERROR_MARKER_TAG not in c.metadata.get("tags", [])]
     assert kept(after) == kept(before)  # only papermill's banners went; the injected cell is the author's call
-    problems = nbk.check_hygiene(dirty)
+    problems = hygiene.check_hygiene(dirty)
     assert len(problems) == 1 and "papermill injected" in problems[0]
     text = dirty.read_text()
-    assert nbk.clean(dirty) == [] and dirty.read_text() == text  # idempotent, no rewrite when clean
+    assert hygiene.clean(dirty) == [] and dirty.read_text() == text  # idempotent, no rewrite when clean
 
 
 def test_built_notebooks_are_clean(nbdir):
     for path in nbdir.glob("*.ipynb"):
-        assert nbk.check_hygiene(path) == []
+        assert hygiene.check_hygiene(path) == []
 
 
 def _edit(path, change):
@@ -192,18 +194,18 @@ BREAKAGES = {
 def test_check_hygiene_reports_each_broken_rule(tmp_path, breakage):
     change, message = BREAKAGES[breakage]
     path = write(tmp_path / "nb.ipynb", ["1 + 1"])
-    assert nbk.check_hygiene(path) == []
+    assert hygiene.check_hygiene(path) == []
     _edit(path, change)
-    problems = nbk.check_hygiene(path)
+    problems = hygiene.check_hygiene(path)
     assert any(message in p for p in problems), problems
 
 
 def test_check_hygiene_reports_an_unreadable_file(tmp_path):
     path = tmp_path / "broken.ipynb"
     path.write_text("{not json")
-    assert "not a readable notebook" in nbk.check_hygiene(path)[0]
+    assert "not a readable notebook" in hygiene.check_hygiene(path)[0]
     with pytest.raises(NotebookError, match="not a readable notebook"):
-        nbk.clean(path)
+        hygiene.clean(path)
 
 
 # ---------------------------------------------------------------- CLI exit codes

@@ -17,6 +17,7 @@ import nbformat
 import pytest
 
 from labkit.course import lease_timeline as lp
+from labkit.course import notebook_hygiene as hygiene
 from labkit.course import notebooks as nbk
 from labkit.errors import ConfigError
 
@@ -25,7 +26,7 @@ EXECUTED = ROOT / "build" / "executed"
 LAB_NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 ALL_NOTEBOOKS = LAB_NOTEBOOKS + sorted((ROOT / "reservations").glob("*.ipynb"))
 # Only a notebook in reservations/ with {"labkit": {"execute_in_ci": false, "reason": ...}} is left out.
-EXECUTED_IN_CI = [p for p in ALL_NOTEBOOKS if nbk.executes_in_ci(p)]
+EXECUTED_IN_CI = [p for p in ALL_NOTEBOOKS if hygiene.executes_in_ci(p)]
 
 
 def rel(path: Path) -> str:
@@ -38,7 +39,7 @@ def test_the_setup_notebook_exists():
 
 @pytest.mark.parametrize("path", ALL_NOTEBOOKS, ids=rel)
 def test_notebook_hygiene(path):
-    assert nbk.check_hygiene(path) == [], f"{rel(path)}: fix these, or run `make clean-notebooks`"
+    assert hygiene.check_hygiene(path) == [], f"{rel(path)}: fix these, or run `make clean-notebooks`"
 
 
 @pytest.mark.slow
@@ -81,25 +82,25 @@ def _exempt_notebook(folder: Path, meta: dict) -> Path:
 
 def test_reservation_notebook_with_a_reason_is_exempt(tmp_path):
     path = _exempt_notebook(tmp_path / "reservations", {"execute_in_ci": False, "reason": "needs python-chi login"})
-    assert nbk.check_hygiene(path) == []
-    assert nbk.ci_exemption(nbformat.read(path, as_version=4)) == "needs python-chi login"
-    assert not nbk.executes_in_ci(path)
+    assert hygiene.check_hygiene(path) == []
+    assert hygiene.ci_exemption(nbformat.read(path, as_version=4)) == "needs python-chi login"
+    assert not hygiene.executes_in_ci(path)
 
 
 def test_exemption_without_a_reason_is_refused(tmp_path):
     path = _exempt_notebook(tmp_path / "reservations", {"execute_in_ci": False})
-    assert any('needs a "reason"' in p for p in nbk.check_hygiene(path))
-    assert nbk.executes_in_ci(path)
+    assert any('needs a "reason"' in p for p in hygiene.check_hygiene(path))
+    assert hygiene.executes_in_ci(path)
 
 
 def test_lab_notebooks_cannot_be_exempt(tmp_path):
     path = _exempt_notebook(tmp_path / "notebooks", {"execute_in_ci": False, "reason": "too slow"})
-    assert any("only notebooks in reservations/" in p for p in nbk.check_hygiene(path))
-    assert nbk.executes_in_ci(path)
+    assert any("only notebooks in reservations/" in p for p in hygiene.check_hygiene(path))
+    assert hygiene.executes_in_ci(path)
 
 
 def test_notebooks_without_the_flag_are_executed(tmp_path):
-    assert nbk.executes_in_ci(_exempt_notebook(tmp_path / "reservations", {"execute_in_ci": True}))
+    assert hygiene.executes_in_ci(_exempt_notebook(tmp_path / "reservations", {"execute_in_ci": True}))
     assert all(p in EXECUTED_IN_CI for p in LAB_NOTEBOOKS)
 
 

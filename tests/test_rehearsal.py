@@ -18,6 +18,7 @@ import nbformat
 import pytest
 import torch
 
+from labkit.runtime import allocator
 from labkit.runtime import device as devices
 from labkit.runtime import rehearsal
 from labkit.course import notebooks as nbk
@@ -119,7 +120,7 @@ def test_memory_history_is_switched_off_even_when_the_run_fails(monkeypatch, tmp
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: calls.append(("record", k)))
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", path)))
     with pytest.raises(ValueError):
-        with devices.memory_history(torch.device("cuda", 0), tmp_path / "snap.pickle"):
+        with allocator.memory_history(torch.device("cuda", 0), tmp_path / "snap.pickle"):
             raise ValueError("the run failed")
     assert calls == [("record", {"max_entries": 100_000}), ("record", {"enabled": None})]
 

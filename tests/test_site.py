@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit.course import slides
+from labkit.course import slide_markup
 from labkit.course.site import leaks, pages
 from labkit.course.site.build import build_site
 from labkit.course.site.mdast import Html, Terms
@@ -174,7 +174,7 @@ def site(tmp_path_factory):
     assert run.ok, run.describe()
     tmp = tmp_path_factory.mktemp("site")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(slides, "render_figure", lambda spec, where: STAND_IN_FIGURE)
+        mp.setattr(slide_markup, "render_figure", lambda spec, where: STAND_IN_FIGURE)
         result = build_site(tmp / "site", execute=(), executed_dir=run.output.parent, work=tmp / "src",
                             log=lambda m: None)
     assert result.ok, (result.failed, result.broken)

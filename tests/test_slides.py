@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from labkit.course import slides  # noqa: E402
+from labkit.course import slide_markup, slides  # noqa: E402
 from labkit.errors import ConfigError  # noqa: E402
 from labkit.memory.estimate import MemoryConfig, estimate  # noqa: E402
 
@@ -84,15 +84,15 @@ caption: "estimate: 7B"
 
 def test_ring_and_bubble_facts_come_from_the_comm_model():
     # 4 ranks: 2 (N-1)/N = 1.5; 102 MB of gradients -> 153 MB sent, at 12.5 GB/s 12.3 ms; p=4, m=8: 3/11
-    assert slides.fact("ring n=4") == "1.50"
-    assert slides.fact("ring n=4 bytes=102_000_000") == "153 MB"
-    assert slides.fact("ring n=4 bytes=102_000_000 bandwidth=12.5e+9") == "12 ms"
-    assert slides.fact("bubble stages=4 microbatches=8") == "27%"
+    assert slide_markup.fact("ring n=4") == "1.50"
+    assert slide_markup.fact("ring n=4 bytes=102_000_000") == "153 MB"
+    assert slide_markup.fact("ring n=4 bytes=102_000_000 bandwidth=12.5e+9") == "12 ms"
+    assert slide_markup.fact("bubble stages=4 microbatches=8") == "27%"
     # the same idle time over the compute, (p-1)/m = 3/8 (Narayanan et al. 2021); ZeRO at K = 8 micro-batches
-    assert slides.fact("bubble_ratio stages=4 microbatches=8") == "38%"
-    assert slides.fact("bubble_ratio stages=4 microbatches=8 chunks=2") == "19%"
-    assert slides.fact("dp_traffic zero=2 microbatches=8") == "4.5x"
-    assert slides.fact("dp_traffic zero=3 microbatches=8") == "12x"
+    assert slide_markup.fact("bubble_ratio stages=4 microbatches=8") == "38%"
+    assert slide_markup.fact("bubble_ratio stages=4 microbatches=8 chunks=2") == "19%"
+    assert slide_markup.fact("dp_traffic zero=2 microbatches=8") == "4.5x"
+    assert slide_markup.fact("dp_traffic zero=3 microbatches=8") == "12x"
 
 
 @pytest.mark.parametrize("body,match", [

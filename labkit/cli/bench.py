@@ -78,7 +78,7 @@ def comm(as_json: bool, plot_path: str | None, **options) -> None:
     click.echo(f"# saved to {options['out'] or commbench.default_file().parent}/{commbench.FILE_NAME}; notebook 03 "
                f"and the preflight read {commbench.default_file()}", err=True)
     if plot_path:
-        from labkit.viz.figures import plot_bandwidth
+        from labkit.viz.collectives import plot_bandwidth
 
         plot_bandwidth(rows).savefig(plot_path, dpi=120)
     click.echo(json.dumps([asdict(r) for r in rows], indent=1) if as_json else commbench.format_table(rows))

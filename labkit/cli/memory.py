@@ -11,8 +11,9 @@ import re
 import click
 
 from labkit.errors import ConfigError
-from labkit.memory.estimate import (CHECKPOINTING, FSDP_STRATEGIES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS,
-                                    Estimate, MemoryConfig, estimate)
+from labkit.memory.config import (CHECKPOINTING, FSDP_STRATEGIES, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS,
+                                  MemoryConfig)
+from labkit.memory.estimate import Estimate, estimate
 
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 

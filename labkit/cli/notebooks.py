@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 import yaml
 
+from labkit.course import notebook_hygiene as hygiene
 from labkit.course import notebooks as nbk
 from labkit.errors import NotebookError
 
@@ -90,7 +91,7 @@ def check(ctx, paths):
     files = _expand(paths, ("notebooks/*.ipynb", "reservations/*.ipynb"))
     bad = 0
     for path in files:
-        problems = nbk.check_hygiene(path)
+        problems = hygiene.check_hygiene(path)
         bad += bool(problems)
         click.echo(f"{path}: {'ok' if not problems else f'{len(problems)} problem(s)'}")
         for problem in problems:
@@ -104,5 +105,5 @@ def check(ctx, paths):
 def clean(paths):
     """Strip outputs, execution counts and execution metadata from PATHS in place (sources are kept)."""
     for path in _expand(paths, ()):
-        stripped = nbk.clean(path)
+        stripped = hygiene.clean(path)
         click.echo(f"{path}: " + (f"stripped {', '.join(stripped)}" if stripped else "already clean"))

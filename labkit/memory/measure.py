@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from labkit.runtime import allocator
 from labkit.runtime import device as devices
 from labkit.errors import ConfigError
 from labkit.memory.estimate import Estimate, MemoryConfig, estimate
@@ -47,16 +48,16 @@ class CudaPeak:
         self.device, self.base = device, 0
 
     def start(self) -> None:
-        devices.synchronize(self.device)
-        self.base = devices.memory_allocated(self.device)
+        allocator.synchronize(self.device)
+        self.base = allocator.memory_allocated(self.device)
 
     def built(self) -> None:
-        devices.synchronize(self.device)
-        devices.reset_peak(self.device)
+        allocator.synchronize(self.device)
+        allocator.reset_peak(self.device)
 
     def total(self) -> int:
-        devices.synchronize(self.device)
-        return devices.max_memory_allocated(self.device) - self.base
+        allocator.synchronize(self.device)
+        return allocator.max_memory_allocated(self.device) - self.base
 
 
 def measure(cfg: MemoryConfig, *, device: str | None = None) -> Estimate:

@@ -175,8 +175,8 @@ def _train(args) -> None:
         times.append(time.perf_counter() - t0)
     held = metrics.resident_bytes(model, optimizer, accelerator.device)
     # The CUDA allocator's peak on GPU (unverified on hardware here); CPU runs record 0 (not tracked).
-    from labkit.runtime import device as devices
-    peak = devices.max_memory_allocated(accelerator.device)
+    from labkit.runtime import allocator
+    peak = allocator.max_memory_allocated(accelerator.device)
     per_rank = accelerator.gather_for_metrics([(*held, peak)], use_gather_object=True)
     if accelerator.is_main_process:
         results.append(_record(args, cfg, facts, losses, times, per_rank, n_params), cfg.run.out)

@@ -128,9 +128,9 @@ def _call(op: str, inp, out, group) -> None:
 
 
 def _sync(device) -> None:
-    from labkit.runtime import device as devices
+    from labkit.runtime import allocator
 
-    devices.synchronize(device)  # GPU path (unverified on hardware here): kernels run async on the stream
+    allocator.synchronize(device)  # GPU path (unverified on hardware here): kernels run async on the stream
 
 
 def time_collective(op: str, nbytes: int, *, group, device, warmup: int, iters: int) -> float:

@@ -108,15 +108,17 @@ class StepTracer:
         mark.__enter__()
         self._marks.append(mark)
         from labkit.runtime import device as devices
+        from labkit.runtime import allocator
         if devices.is_gpu(self.device):
-            devices.nvtx_push(f"{STEP_PREFIX}{local + 1}")
+            allocator.nvtx_push(f"{STEP_PREFIX}{local + 1}")
 
     def after(self, local: int) -> None:
         if local not in self.steps or not self._marks:
             return
         from labkit.runtime import device as devices
+        from labkit.runtime import allocator
         if devices.is_gpu(self.device):
-            devices.nvtx_pop()
+            allocator.nvtx_pop()
         self._marks.pop().__exit__(None, None, None)
         if local == self.steps[-1]:
             self._stop()
@@ -125,11 +127,12 @@ class StepTracer:
         from torch.profiler import ProfilerActivity, profile
 
         from labkit.runtime import device as devices
+        from labkit.runtime import allocator
         cuda = devices.is_gpu(self.device)
         if cuda:
             # The allocator's own history (stack per allocation), for pytorch.org/memory_viz.
-            devices.start_history(self.device)
-            devices.cuda_profiler(start=True)  # nsys --capture-range=cudaProfilerApi starts here
+            allocator.start_history(self.device)
+            allocator.cuda_profiler(start=True)  # nsys --capture-range=cudaProfilerApi starts here
         if self.tool == "torch":
             # CUDA activity only where CUDA is (a rehearsal's stand-in CPU has none to trace)
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
@@ -143,16 +146,17 @@ class StepTracer:
             return
         self._recording = False
         from labkit.runtime import device as devices
+        from labkit.runtime import allocator
         while self._marks:  # a run stopped inside the window (deadline): close the open step
             self._marks.pop().__exit__(None, None, None)
         if self.prof is not None:
             self.prof.stop()
         if devices.is_gpu(self.device):
-            devices.synchronize(self.device)
-            devices.cuda_profiler(start=False)
+            allocator.synchronize(self.device)
+            allocator.cuda_profiler(start=False)
             if self.is_main:
                 self.folder.mkdir(parents=True, exist_ok=True)
-            devices.stop_history(self.device, self.folder / "cuda_memory_snapshot.pickle" if self.is_main else None)
+            allocator.stop_history(self.device, self.folder / "cuda_memory_snapshot.pickle" if self.is_main else None)
 
     def finish(self) -> ProfileFiles | None:
         """Stop if still recording; rank 0 writes trace, memory figure and summary. Returns the files."""

@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from labkit.runtime import launch, rank_guard
+from labkit.runtime import launch, rank_guard, rank_logs
 from labkit.errors import LaunchError
 
 #: The module the warm ranks run (it implements `--serve JOBS`).
@@ -84,7 +84,7 @@ class _Pool:
         env = launch._child_env(dict(key.env), key.threads)
         self.proc = subprocess.Popen(rank_guard.guarded(cmd, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        self.reader = launch._Reader(self.proc.stdout)
+        self.reader = rank_logs._Reader(self.proc.stdout)
         self.reader.start()
 
     @property
@@ -199,7 +199,7 @@ def run(module: str, args: list[str], *, nproc: int, timeout_s: float = 600, env
 
 
 def _run_job(pool: _Pool, module: str, args: list[str], timeout_s: float, stream: bool) -> launch.LaunchResult:
-    tail = launch._RankTail(pool.pattern, echo=stream, offsets=pool.offsets())
+    tail = rank_logs._RankTail(pool.pattern, echo=stream, offsets=pool.offsets())
     n = pool.submit(module, args)
     tail.start()
     join_s = 10.0
@@ -214,13 +214,14 @@ def _run_job(pool: _Pool, module: str, args: list[str], timeout_s: float, stream
     finally:
         tail.done.set()
         tail.join(timeout=join_s)
-    attempt = launch._attempt_dir(str(pool.logs), pool.run_id)
+    attempt = rank_logs._attempt_dir(str(pool.logs), pool.run_id)
     if outcome is None:
-        raise launch.timeout_error(module, timeout_s, pool.key.nproc, attempt or str(pool.logs), tail.text)
+        raise rank_logs.timeout_error(module, timeout_s, pool.key.nproc, attempt or str(pool.logs), tail.text)
     if outcome != _DONE:  # torchrun ended: a rank failed, and the pool with it
         pool.reader.join(timeout=join_s)
         close_pool()
-        raise launch._failure(module, outcome, attempt, pool.reader.text, tail.text, nproc=pool.key.nproc, node_rank=0)
+        raise rank_logs._failure(module, outcome, attempt, pool.reader.text, tail.text, nproc=pool.key.nproc,
+                                 node_rank=0)
     return launch.LaunchResult(returncode=0, output=tail.text, log_dir=attempt or str(pool.logs))
 
 

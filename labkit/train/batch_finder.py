@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from labkit.runtime import allocator
 from labkit.runtime import device as devices
 from labkit.errors import ConfigError
 from labkit.train.metrics import free_device_memory
@@ -202,7 +203,7 @@ def memory_breakdown(model: str, *, profile: str = "smoke", batch: int | None = 
     out = {getattr(k, "value", str(k)): int(v) for snap in peak.values() for k, v in snap.items()}
     device = hook.ctx.device
     if devices.is_gpu(device):
-        out["cuda_memory_summary"] = devices.memory_summary(device)
+        out["cuda_memory_summary"] = allocator.memory_summary(device)
     hook.close()
     del hook, x, y
     free_device_memory(device, reset_peak=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from labkit.runtime import allocator
 from labkit.runtime import device as devices
 from labkit import parallel, results
 from labkit.runtime import rehearsal
@@ -160,7 +161,7 @@ def _run_steps(cfg, ctx, hook, task, loader, ckpt, deadline, progress, peak, tra
         counted = measure_flops and not cfg.precision.compile  # a compiled graph hides its ops from FlopCounterMode
         with _measurement(local, counted, hook, peak, progress.flops, cfg.run.steps - start) as loss_fn:
             loss = hook.train_step(micro, loss_fn(task.loss))
-        devices.synchronize(ctx.device)  # CUDA is asynchronous: time the work, not the launch
+        allocator.synchronize(ctx.device)  # CUDA is asynchronous: time the work, not the launch
         progress.times.append(time.perf_counter() - t0)
         progress.cpu_times.append(time.process_time() - c0)
         if local == FLOPS_STEP and measure_flops and cfg.precision.compile:  # outside the timed step

@@ -16,6 +16,7 @@ import contextlib
 
 import torch
 
+from labkit.runtime import allocator
 from labkit.runtime import device as devices
 from labkit.errors import LabkitError
 
@@ -49,12 +50,12 @@ def applied(cap_gb: float | None, device: torch.device):
     # Unverified on hardware (no GPU in CI): the fraction applies to this process's caching allocator
     # on `device` only; memory already cached above the cap is not returned, hence empty_cache first.
     total = devices.total_memory(device)
-    devices.empty_cache(device)
-    devices.set_memory_fraction(fraction_of(cap, total), device)
+    allocator.empty_cache(device)
+    allocator.set_memory_fraction(fraction_of(cap, total), device)
     try:
         yield
     finally:
-        devices.set_memory_fraction(1.0, device)
+        allocator.set_memory_fraction(1.0, device)
 
 
 def check(cap_gb: float | None, peak_bytes: int, *, what: str = "one training step") -> None:

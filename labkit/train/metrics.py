@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from labkit.runtime import allocator
 from labkit.runtime import device as devices
 from labkit.errors import ConfigError
 
@@ -104,10 +105,10 @@ def free_device_memory(device: torch.device | str | None = None, *, reset_peak: 
     device = torch.device(device) if device is not None else devices.default()
     gc.collect(2 if devices.is_gpu(device) and not devices.standing_in() else 1)
     if devices.is_gpu(device):
-        devices.synchronize(device)
-        devices.empty_cache(device)
+        allocator.synchronize(device)
+        allocator.empty_cache(device)
         if reset_peak:
-            devices.reset_peak(device)
+            allocator.reset_peak(device)
 
 
 class PeakMemory:
@@ -117,7 +118,7 @@ class PeakMemory:
     def __init__(self, device: torch.device):
         self.device, self.peak = device, 0
         if devices.is_gpu(device):
-            devices.reset_peak(device)
+            allocator.reset_peak(device)
 
     @contextlib.contextmanager
     def track(self, model: torch.nn.Module, optimizer):
@@ -149,7 +150,7 @@ class PeakMemory:
 
     def result(self) -> int:
         if devices.is_gpu(self.device):
-            return devices.max_memory_allocated(self.device)
+            return allocator.max_memory_allocated(self.device)
         return int(self.peak)
 
 

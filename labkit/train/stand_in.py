@@ -14,6 +14,7 @@ import contextlib
 import sys
 from typing import Any
 
+from labkit.runtime import allocator
 from labkit.runtime import device as devices
 from labkit.runtime import rehearsal
 from labkit.errors import ConfigError, LaunchError, RehearsalError
@@ -95,7 +96,7 @@ def check_launch(cfg, *, via: str = "run", launched: bool = False, profile_given
             raise LaunchError(f"labkit.train.worker failed on rank 0: torch.OutOfMemoryError: {oom}", rank=0,
                               traceback=f"torch.OutOfMemoryError: {oom}") from oom
         raise oom
-    devices.simulate_peak(verdict["bytes"] or 0)
+    allocator.simulate_peak(verdict["bytes"] or 0)
 
 
 def simulate_oom(cfg) -> None:
@@ -109,7 +110,7 @@ def simulate_oom(cfg) -> None:
     if not verdict["fits"]:
         raise devices.RehearsalOOM(f"CUDA out of memory (rehearsal {profile.name}): {describe(cfg)} "
                                    f"~{verdict['bytes'] / 1e9:.1f} GB > the GPU's headroom (estimate)")
-    devices.simulate_peak(verdict["bytes"] or 0)
+    allocator.simulate_peak(verdict["bytes"] or 0)
 
 
 def options_of(cfg) -> dict[str, Any]:

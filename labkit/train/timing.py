@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from labkit.runtime import allocator
 from labkit.runtime import device as devices
 
 
@@ -29,7 +30,7 @@ class WorkClock:
         self.device = torch.device(device)
         self.cuda = devices.is_gpu(self.device)
         # Unverified on hardware here: the CUDA path is tested on CPU with a stand-in event class.
-        self._event = event_factory or devices.timing_event
+        self._event = event_factory or allocator.timing_event
         self._origin = None
         self._origin_s = 0.0
 
@@ -44,7 +45,7 @@ class WorkClock:
         """Mark the origin: on CUDA, wait for the device to be idle so the origin event's GPU time and
         its perf_counter time are the same instant."""
         if self.cuda:
-            devices.synchronize(self.device)
+            allocator.synchronize(self.device)
             self._origin = self._now()
             self._origin_s = time.perf_counter()
 
@@ -58,6 +59,6 @@ class WorkClock:
         """The (t0, t1) seconds of each `stop()` result; on CUDA one synchronize for all of them."""
         if not self.cuda:
             return [(float(a), float(b)) for a, b in pending]
-        devices.synchronize(self.device)
+        allocator.synchronize(self.device)
         origin, base = self._origin, self._origin_s
         return [(base + origin.elapsed_time(a) / 1e3, base + origin.elapsed_time(b) / 1e3) for a, b in pending]

@@ -2,17 +2,19 @@
 
 - `memory_stack`: where one GPU's memory goes — stacked weights / grads / optimizer / activations
   bars against GPU capacity lines (notebook 01_memory).
-- The lecture figures of `labkit.viz.figures` (ring all-reduce, ZeRO partitioning, checkpointing,
-  pipeline schedules, tensor splits, 3-D layouts, LoRA), re-exported so notebooks and slides
+- The lecture figures of `labkit.viz.figures` (ZeRO partitioning, checkpointing, tensor splits,
+  3-D layouts, LoRA, the planner's layouts), `labkit.viz.collectives` (ring all-reduce) and
+  `labkit.viz.simulated_schedule` (pipeline schedules), re-exported so notebooks and slides
   import every course figure from one place.
 """
 from __future__ import annotations
 
 from typing import Mapping
 
-from labkit.viz.figures import (allreduce_traffic, checkpointing_tradeoff, lora_update,  # noqa: F401
-                            parallel_layout, pipeline_schedule, plan_chart, ring_allreduce_steps,
+from labkit.viz.collectives import allreduce_traffic, ring_allreduce_steps  # noqa: F401
+from labkit.viz.figures import (checkpointing_tradeoff, lora_update, parallel_layout, plan_chart,  # noqa: F401
                             tensor_split, zero_partitioning)
+from labkit.viz.simulated_schedule import pipeline_schedule  # noqa: F401
 from labkit.memory.report import GPU_CAPACITIES, PARTS
 
 _COLORS = {"weights": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52"}

@@ -14,8 +14,8 @@ from typing import Any
 from labkit.zoo import presets
 from labkit.errors import ConfigError
 from labkit.memory.advice import verdict
-from labkit.memory.estimate import (CHECKPOINTING, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS, MemoryConfig,
-                                    estimate)
+from labkit.memory.config import CHECKPOINTING, OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTS, MemoryConfig
+from labkit.memory.estimate import estimate
 from labkit.memory.report import GPU_CAPACITIES, format_table
 
 _CHOICES = {"precision": PRECISIONS, "optimizer": OPTIMIZERS, "zero": (0, 1, 2, 3), "offload": OFFLOADS,

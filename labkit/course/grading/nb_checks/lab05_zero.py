@@ -36,7 +36,7 @@ def zero1_master_bytes(ev: Evidence) -> float:
 
 def zero2_fsdp_name(ev: Evidence) -> str:
     # FSDP1's sharding_strategy for ZeRO stage 2, from the estimator's own table.
-    from labkit.memory.estimate import FSDP_STRATEGIES
+    from labkit.memory.config import FSDP_STRATEGIES
 
     return next(name for name, stage in FSDP_STRATEGIES.items() if stage == 2).upper()
 
