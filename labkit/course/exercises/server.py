@@ -158,5 +158,17 @@ def main(argv: list[str]) -> int:
         return serve(socket.socket(fileno=args.fd))
 
 
+def _exit(code: int) -> None:
+    """Exit without the interpreter's teardown: nothing here needs one (the forkserver and its ranks are reaped
+    in `warm_ranks`, the scratch is the grader's to remove, a student's atexit is no business of ours), and
+    with torch imported it takes a second or more that the grader would wait for (issue #39)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a stream the student's code closed or replaced
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    _exit(main(sys.argv[1:]))
