@@ -147,7 +147,7 @@ def _send(sock: socket.socket, payload: bytes) -> None:
 
 def main(argv: list[str]) -> int:
     from labkit.course.exercises.process import child_args
-    from labkit.course.exercises.spawn import warm_ranks
+    from labkit.course.exercises.spawn import prewarm, warm_ranks
 
     args = child_args(argv, "labkit.course.exercises.server", "--channel-fd")
     _close_other_fds(args.fd)
@@ -155,6 +155,8 @@ def main(argv: list[str]) -> int:
     os.dup2(devnull, 0)
     os.close(devnull)
     with warm_ranks():  # every variant's tests may spawn ranks: fork them from one process that imported torch
+        if args.warm:  # the grader's hint that the tests spawn: ready them before the first request (issue #39)
+            prewarm()
         return serve(socket.socket(fileno=args.fd))
 
 

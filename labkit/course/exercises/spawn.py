@@ -108,6 +108,13 @@ def warm_ranks():
         _stop_forkserver(forkserver)
 
 
+def prewarm() -> None:
+    """Inside `warm_ranks()`, before any student code: start the forkserver (it imports its preloads meanwhile)
+    and import torch here, so that a process started ahead of its turn answers at once (issue #39)."""
+    _start_forkserver(_WARM)
+    import torch  # noqa: F401
+
+
 def _in_kernel() -> bool:
     """Is this a Jupyter kernel (a notebook's checks and comparisons spawn again and again)?"""
     ipython = sys.modules.get("IPython")
