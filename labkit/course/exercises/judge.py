@@ -83,7 +83,7 @@ class Channel:
             return
         self.closed = True
         proc = self.launched.proc
-        self.sock.close()  # end of requests: a process between requests stops its warm ranks' forkserver and exits
+        self.sock.close()  # end of requests: a process between requests kills its forkserver and exits (os._exit)
         try:
             proc.wait(timeout=_BYE_S)
         except subprocess.TimeoutExpired:  # busy in student code, or ignores the end: killed with its tree
