@@ -26,7 +26,8 @@ from labkit.course.exercises import case
 
 
 def _servers():
-    return sum("labkit.course.exercises.server" in " ".join(p.cmdline()) for p in psutil.Process(os.getpid()).children(recursive=True))
+    kids = psutil.Process(os.getpid()).children(recursive=True)
+    return sum("labkit.course.exercises.server" in " ".join(p.cmdline()) for p in kids)
 
 
 def _ranks(rank, world, fn):

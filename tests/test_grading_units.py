@@ -141,7 +141,8 @@ def test_nbformat_comes_without_the_grammar_of_iris_which_still_checks_iris(tmp_
     import sys
 
     bad = tmp_path / "bad.ipynb"
-    bad.write_text('{"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [{"cell_type": "code", "source": 5}]}')
+    bad.write_text('{"nbformat": 4, "nbformat_minor": 5, "metadata": {}, '
+                   '"cells": [{"cell_type": "code", "source": 5}]}')
     code = ("import sys\n"
             "from labkit.course.grading.evaluate import SubmissionProblem, import_nbformat, load_notebook\n"
             "nbformat = import_nbformat()\n"

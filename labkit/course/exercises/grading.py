@@ -97,7 +97,8 @@ def plan_for(notebook: str, visible_dir: Path | None, hidden_dir: Path | None = 
 
 def run_variants(exercise: str, sources: list[str], plan: Plan, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  memory_bytes: int = 8 * 2**30, output_bytes: int = 50 * 2**20, isolation=None, private: tuple = (),
-                 kernel: str = "labkit", cache: dict | None = None, channel: Channel | None = None) -> list[VariantResult]:
+                 kernel: str = "labkit", cache: dict | None = None,
+                 channel: Channel | None = None) -> list[VariantResult]:
     """Every case of `exercise` on each source variant (the submitted cell; in CI the solution and its mutants),
     judged in this process (labkit.course.exercises.judge): hidden tests' messages included (the grader's own
     data; what feedback shows of them is _check_results' business). `channel`: its process, started ahead
