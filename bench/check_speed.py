@@ -7,6 +7,12 @@ the source notebook itself (every exercise written: the visible tests of every e
 is not executed (its recorded checks read whatever it holds): this times what `labkit check` adds, the code
 tests. Wall and CPU seconds (this process and its children). Targets on an idle 2-core machine: under 5 s
 with nothing attempted, under 20 s for a whole lab. A bench, not a test: it measures, it asserts nothing.
+
+Where a whole lab's seconds went, and what took them out (docs/DEVELOPING.md, "Seventh round"): each
+exercise's process exited through the interpreter's teardown with torch imported, and stopped its forkserver
+the same way (~2 s per exercise; now it kills the forkserver and exits at once); reading the notebook imported
+jsonschema's IRI grammar (~1 s; now loaded on first use); each process imported torch and started its forkserver
+only when its turn came (now the next one is started, and readies itself, while the current one runs).
 """
 from __future__ import annotations
 
@@ -46,9 +52,10 @@ def _cli(path: Path, name: str) -> float:
 
 
 def main(names: list[str]) -> None:
-    import nbformat
-
     from labkit.course.exercises.source import exercise_id, stub
+    from labkit.course.grading.evaluate import import_nbformat
+
+    nbformat = import_nbformat()  # as `labkit check` imports it
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(f"{'notebook':<28} {'case':<18} {'wall s':>7} {'cpu s':>7}  exercises")

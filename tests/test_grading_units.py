@@ -133,6 +133,30 @@ def test_load_reports_malformed_files_as_invalid(tmp_path, content, reason):
         load_notebook(path)
 
 
+def test_nbformat_comes_without_the_grammar_of_iris_which_still_checks_iris(tmp_path):
+    """import_nbformat (issue #39): jsonschema's rfc3987_syntax grammar (a second of every `labkit check`) is not
+    built by importing nbformat, a malformed notebook is still refused, and jsonschema's "iri" format still
+    rejects a bad IRI (the real module loads on first use). A fresh Python: this one imported nbformat."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.ipynb"
+    bad.write_text('{"nbformat": 4, "nbformat_minor": 5, "metadata": {}, '
+                   '"cells": [{"cell_type": "code", "source": 5}]}')
+    code = ("import sys\n"
+            "from labkit.course.grading.evaluate import SubmissionProblem, import_nbformat, load_notebook\n"
+            "nbformat = import_nbformat()\n"
+            "print('grammar built:', 'rfc3987_syntax' in sys.modules)\n"
+            f"try:\n    load_notebook({str(bad)!r})\nexcept SubmissionProblem as exc:\n    print('refused:', exc)\n"
+            "from jsonschema import Draft7Validator\n"
+            "v = Draft7Validator({'format': 'iri'}, format_checker=Draft7Validator.FORMAT_CHECKER)\n"
+            "print('iri checked:', v.is_valid('http://example.org/ok'), v.is_valid('http://not an iri/'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "grammar built: False" in out, out
+    assert "refused: bad.ipynb is not a valid notebook" in out, out
+    assert "iri checked: True False" in out, out
+
+
 # ---------------------------------------------------------------- check kinds
 def test_check_kinds_pass_and_fail_with_a_fix():
     nb = _nb(_answer("mem", 112.0), _answer("word", "ZeRO-3 "), _answer("text", "many"),

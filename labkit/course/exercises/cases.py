@@ -138,6 +138,25 @@ def _cases(module: types.ModuleType, hidden: bool) -> list[Case]:
     return cases
 
 
+def spawns(cases: list[Case]) -> bool:
+    """Whether a test of `cases` calls `student.spawn`, read from its code: its own, its lambdas' and that of the
+    functions of its test file it names, at any depth. Only a hint (issue #39): the process of an exercise whose
+    tests spawn starts its ranks' forkserver before its turn; a miss only costs time."""
+    seen: set = set()
+    todo = [(c.fn.__code__, c.fn.__globals__) for c in cases if hasattr(c.fn, "__code__")]
+    while todo:
+        code, names = todo.pop()
+        if code in seen:
+            continue
+        seen.add(code)
+        if "spawn" in code.co_names:
+            return True
+        todo += [(const, names) for const in code.co_consts if isinstance(const, types.CodeType)]
+        todo += [(names[n].__code__, names) for n in code.co_names
+                 if isinstance(names.get(n), types.FunctionType) and names[n].__globals__ is names]
+    return False
+
+
 @dataclass(frozen=True)
 class Mutant:
     """A classic mistake: `fragment` of the solution replaced by `replacement`. With `fix`, a VISIBLE test

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit.course.exercises.cases import Case, CaseResult, load_cases
-from labkit.course.exercises.judge import VariantResult, judge
+from labkit.course.exercises.cases import Case, CaseResult, load_cases, spawns
+from labkit.course.exercises.judge import Channel, VariantResult, judge
 from labkit.course.exercises.source import exercise_cells, untouched_stub
 from labkit.course.grading.checks import CheckResult
 
@@ -97,16 +97,30 @@ def plan_for(notebook: str, visible_dir: Path | None, hidden_dir: Path | None = 
 
 def run_variants(exercise: str, sources: list[str], plan: Plan, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  memory_bytes: int = 8 * 2**30, output_bytes: int = 50 * 2**20, isolation=None, private: tuple = (),
-                 kernel: str = "labkit", cache: dict | None = None) -> list[VariantResult]:
+                 kernel: str = "labkit", cache: dict | None = None,
+                 channel: Channel | None = None) -> list[VariantResult]:
     """Every case of `exercise` on each source variant (the submitted cell; in CI the solution and its mutants),
     judged in this process (labkit.course.exercises.judge): hidden tests' messages included (the grader's own
-    data; what feedback shows of them is _check_results' business)."""
+    data; what feedback shows of them is _check_results' business). `channel`: its process, started ahead
+    by `open_channel` with the same limits (judged and closed here)."""
+    cases = plan.cases(exercise)
+    return judge(exercise, sources, cases, **_channel_options(cases, timeout_s=timeout_s, memory_bytes=memory_bytes,
+                                                              output_bytes=output_bytes, isolation=isolation,
+                                                              private=private, kernel=kernel),
+                 cache=cache, channel=channel)
+
+
+def _channel_options(cases: list[Case], *, output_bytes: int, **limits) -> dict:
     from labkit.course.exercises import wire
 
-    # an answer is output too: --output-mib caps it (refused before it is read)
-    return judge(exercise, sources, plan.cases(exercise), max_message=min(wire.MAX_BYTES, output_bytes),
-                 timeout_s=timeout_s, memory_bytes=memory_bytes, output_bytes=output_bytes, isolation=isolation,
-                 private=private, kernel=kernel, cache=cache)
+    # an answer is output too: --output-mib caps it (refused before it is read); a process whose tests spawn
+    # imports torch and starts its ranks' forkserver before it says it is ready
+    return dict(limits, output_bytes=output_bytes, max_message=min(wire.MAX_BYTES, output_bytes), warm=spawns(cases))
+
+
+def open_channel(exercise: str, plan: Plan, **limits) -> Channel:
+    """The process of `exercise` with `limits` (run_variants' keywords), started now: ahead of its turn."""
+    return Channel(**_channel_options(plan.cases(exercise), **limits))
 
 
 def _check_results(exercise: str, variant: VariantResult, reveal_hidden: bool) -> tuple[str, str, tuple]:
@@ -156,19 +170,40 @@ def _untouched(exercise: str, plan: Plan, reveal_hidden: bool) -> ExerciseGrade:
 def grade_exercises(nb, notebook: str, plan: Plan, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                     memory_bytes: int = 8 * 2**30, output_bytes: int = 50 * 2**20, isolation=None,
                     private: tuple = (), kernel: str = "labkit", reveal_hidden: bool = False) -> list[ExerciseGrade]:
-    """Run every exercise of `plan` on the cells of `nb`; one ExerciseGrade each, never raises for student code."""
+    """Run every exercise of `plan` on the cells of `nb`; one ExerciseGrade each, never raises for student code.
+
+    Each exercise gets a fresh process of its own; the next exercise's is started while this one's tests run
+    (one process ahead at most: it imports and readies itself meanwhile, issue #39). Every process started
+    here is reaped before this returns, also on an error or Ctrl-C (the one ahead is killed then)."""
     cells = exercise_cells(nb)
+    limits = dict(timeout_s=timeout_s, memory_bytes=memory_bytes, output_bytes=output_bytes, isolation=isolation,
+                  private=private, kernel=kernel)
+    runs = [e for e in plan.exercises if e in cells and not untouched_stub(cells[e], e)]  # those with a process
+    started: list[Channel] = []
     grades = []
-    for exercise in plan.exercises:
-        if exercise not in cells:
-            grades.append(_missing(exercise, plan))
-            continue
-        if untouched_stub(cells[exercise], exercise):  # the release's stub: no process to start (issue #39)
-            grades.append(_untouched(exercise, plan, reveal_hidden))
-            continue
-        variant = run_variants(exercise, [cells[exercise]], plan, timeout_s=timeout_s, memory_bytes=memory_bytes,
-                               output_bytes=output_bytes, isolation=isolation, private=private, kernel=kernel)[0]
-        grades.append(ExerciseGrade(exercise, *_check_results(exercise, variant, reveal_hidden)))
+
+    def start(exercise: str) -> Channel:
+        started.append(open_channel(exercise, plan, **limits))
+        return started[-1]
+
+    try:
+        for exercise in plan.exercises:
+            if exercise not in cells:
+                grades.append(_missing(exercise, plan))
+            elif exercise not in runs:  # the release's stub: no process to start (issue #39)
+                grades.append(_untouched(exercise, plan, reveal_hidden))
+            else:
+                channel = started[-1] if started and not started[-1].closed else start(exercise)
+                following = runs[runs.index(exercise) + 1:]
+                if following:
+                    start(following[0])
+                variant = run_variants(exercise, [cells[exercise]], plan, channel=channel, **limits)[0]
+                grades.append(ExerciseGrade(exercise, *_check_results(exercise, variant, reveal_hidden)))
+    finally:
+        for channel in started:  # those judged are closed already; one started ahead and never judged is killed
+            if not channel.closed:
+                channel.close_quietly()
+                channel.close()
     return grades
 
 

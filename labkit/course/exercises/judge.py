@@ -55,29 +55,35 @@ class Channel:
     """The student's process and the socket to it."""
 
     def __init__(self, *, timeout_s: float, memory_bytes: int, output_bytes: int, isolation=None,
-                 private: tuple = (), kernel: str = "labkit", max_message: int = wire.MAX_BYTES):
+                 private: tuple = (), kernel: str = "labkit", max_message: int = wire.MAX_BYTES, warm: bool = False):
+        """`warm`: the tests spawn ranks; the process imports torch and starts its forkserver before it is ready."""
         self.timeout_s, self.output_bytes, self.max_message = timeout_s, output_bytes, max_message
         self.reveal = True
         """Name what the student's side controls (its output, exit code, sizes) in a reason: only until a
         hidden test has sent it anything, so no hidden input can come back that way."""
         self._tmp = tempfile.TemporaryDirectory(prefix="labkit-exercise-")
         ours, theirs = socket.socketpair()
+        extra = ["--channel-fd", str(theirs.fileno()), *(["--warm"] if warm else [])]
         try:
             self.launched: Launched = launch(
-                "labkit.course.exercises.server", Path(self._tmp.name), extra=["--channel-fd", str(theirs.fileno())],
+                "labkit.course.exercises.server", Path(self._tmp.name), extra=extra,
                 pass_fds=(theirs.fileno(),), memory_bytes=memory_bytes, output_bytes=output_bytes,
                 isolation=isolation, private=private, kernel=kernel)
         finally:
             theirs.close()
-        self.sock, self.seq, self._ready, self._starting = ours, 0, False, False
+        self.sock, self.seq, self._ready, self._starting, self.closed = ours, 0, False, False, False
 
     def close(self) -> None:
+        """End the process (it exits by itself between requests, else it is killed) and reap it; once."""
         import subprocess
 
         from labkit.course.grading.confine import kill_process_tree
 
+        if self.closed:
+            return
+        self.closed = True
         proc = self.launched.proc
-        self.sock.close()  # end of requests: a process between requests stops its warm ranks' forkserver and exits
+        self.sock.close()  # end of requests: a process between requests kills its forkserver and exits (os._exit)
         try:
             proc.wait(timeout=_BYE_S)
         except subprocess.TimeoutExpired:  # busy in student code, or ignores the end: killed with its tree
@@ -228,15 +234,16 @@ class RemoteStudent(Student):
 
 def judge(exercise: str, sources: list[str], cases: list[Case], *, timeout_s: float, memory_bytes: int,
           output_bytes: int, isolation=None, private: tuple = (), kernel: str = "labkit",
-          max_message: int = wire.MAX_BYTES, cache: dict | None = None) -> list[VariantResult]:
+          max_message: int = wire.MAX_BYTES, cache: dict | None = None, warm: bool = False,
+          channel: Channel | None = None) -> list[VariantResult]:
     """Run `cases` (visible first) on each source variant; one VariantResult per variant, never raises for
     what the student's code does. A lost process's output and exit code are named only while no hidden case
-    has sent it anything. `cache`: the references of this run (student.reference), kept for the caller."""
+    has sent it anything. `cache`: the references of this run (student.reference), kept for the caller.
+    `channel`: a process the caller started ahead with these options (`open_channel`); judged and closed here."""
     cases = sorted(cases, key=lambda c: c.hidden)
     options = dict(timeout_s=timeout_s, memory_bytes=memory_bytes, output_bytes=output_bytes, isolation=isolation,
-                   private=private, kernel=kernel, max_message=max_message)
+                   private=private, kernel=kernel, max_message=max_message, warm=warm)
     cache = {} if cache is None else cache
-    channel: Channel | None = None
     out = []
     try:
         for source in sources:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -107,6 +108,13 @@ def warm_ranks():
         _stop_forkserver(forkserver)
 
 
+def prewarm() -> None:
+    """Inside `warm_ranks()`, before any student code: start the forkserver (it imports its preloads meanwhile)
+    and import torch here, so that a process started ahead of its turn answers at once (issue #39)."""
+    _start_forkserver(_WARM)
+    import torch  # noqa: F401
+
+
 def _in_kernel() -> bool:
     """Is this a Jupyter kernel (a notebook's checks and comparisons spawn again and again)?"""
     ipython = sys.modules.get("IPython")
@@ -133,6 +141,12 @@ def _kernel_warm():
 
 
 def _stop_forkserver(forkserver) -> None:
+    """Kill and reap the forkserver: it holds nothing to tear down (every rank is reaped by its spawn), and an
+    interpreter that imported torch takes a second or more to exit by itself (issue #39)."""
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     stop = getattr(forkserver._forkserver, "_stop", None)  # CPython's own (used by its tests; 3.8+)
     if stop is not None:
         with contextlib.suppress(FileNotFoundError):  # its socket's folder went at interpreter exit

@@ -146,9 +146,47 @@ def load_notebook(path: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_BYTES
     return parse_notebook(read_submitted(path, max_bytes, follow=follow), path.name)
 
 
+def import_nbformat():
+    """nbformat, imported in a tenth of the time: it imports jsonschema, whose format checkers import
+    rfc3987_syntax when installed (a Jupyter dependency's extra), which builds a lark grammar on import (~1 s
+    of every `labkit check`, issue #39). nbformat validates with fastjsonschema and never uses those checkers,
+    so here that module loads when its first function is called instead; jsonschema's "iri" checks still work."""
+    import importlib
+    import importlib.util
+    import sys
+    import types
+
+    if "nbformat" in sys.modules or "rfc3987_syntax" in sys.modules or not importlib.util.find_spec("rfc3987_syntax"):
+        import nbformat
+
+        return nbformat
+
+    def real():
+        if sys.modules.get("rfc3987_syntax") is lazy:
+            del sys.modules["rfc3987_syntax"]
+        return importlib.import_module("rfc3987_syntax")
+
+    lazy = types.ModuleType("rfc3987_syntax", "loads the real rfc3987_syntax when first used")
+    lazy.is_valid_syntax = lambda *args, **kwargs: real().is_valid_syntax(*args, **kwargs)
+
+    def attribute(attr: str):
+        if attr.startswith("__"):  # the import system asks for __path__, __spec__: not a reason to load it
+            raise AttributeError(attr)
+        return getattr(real(), attr)
+
+    lazy.__getattr__ = attribute
+    sys.modules["rfc3987_syntax"] = lazy
+    try:
+        import nbformat
+    finally:
+        if sys.modules.get("rfc3987_syntax") is lazy:
+            del sys.modules["rfc3987_syntax"]
+    return nbformat
+
+
 def parse_notebook(raw: bytes, name: str):
     """The nbformat v4 node of the bytes `raw` of file `name`; SubmissionProblem('invalid') otherwise."""
-    import nbformat
+    nbformat = import_nbformat()
 
     try:
         text = raw.decode("utf-8")
