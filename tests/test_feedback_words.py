@@ -96,3 +96,26 @@ def test_an_exercise_left_as_the_release_stub_is_todo_without_starting_its_proce
     report = check_notebook(tmp_path / "01_memory.ipynb", "01_memory", tests=root / "notebooks" / "tests")
     assert [g.status for g in report.code] == ["not attempted", "not attempted"]
     assert "  TODO  model_state_bytes: not attempted" in format_report(report)
+
+
+def test_every_released_stub_is_recognised_without_a_process_class_stubs_included():
+    """issue #39 item 7: 06's `lora_linear` returns the student's class, whose `__init__` is the stub: still
+    TODO without starting a process (it took 7 s); a class that was written, or a call that computes, is not."""
+    from labkit.course.exercises.release import released_notebook
+    from labkit.course.exercises.source import exercise_cells, untouched_stub
+
+    root = __import__("pathlib").Path(__file__).resolve().parent.parent
+    stubs = {(path.stem, ex): untouched_stub(source, ex)
+             for path in sorted((root / "notebooks").glob("0*.ipynb"))
+             for ex, source in exercise_cells(released_notebook(path)).items()}
+    assert len(stubs) >= 20 and all(stubs.values()), [k for k, v in stubs.items() if not v]
+    stub = ("import torch\nfrom torch import nn\n\n\nclass L(nn.Module):\n    \"\"\"doc\"\"\"\n\n"
+            "    def __init__(self, base, r):\n        super().__init__()\n        INIT\n\n"
+            "def f(base, r=8):\n    \"\"\"doc\"\"\"\n    return CALL\n")
+    todo = 'raise NotImplementedError("exercise f: write your code here")'
+    assert untouched_stub(stub.replace("INIT", todo).replace("CALL", "L(base, r)"), "f")
+    written = stub.replace("INIT", "self.base = base").replace("CALL", "L(base, r)")
+    computing = stub.replace("INIT", todo).replace("CALL", "L(print('hi'), r)")
+    other = stub.replace("INIT", todo).replace("CALL", "nn.Linear(base, r)")
+    after = stub.replace("INIT", "self.r = r\n        " + todo).replace("CALL", "L(base, r)")
+    assert not any(untouched_stub(text, "f") for text in (written, computing, other, after))

@@ -194,4 +194,29 @@ def untouched_stub(source: str, exercise: str) -> bool:
     except SyntaxError:
         return False
     fns = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == exercise]
-    return len(fns) == 1 and _raises_not_implemented(fns[0].body) and all(_inert(n) for n in tree.body)
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    return (len(fns) == 1 and (_raises_not_implemented(fns[0].body) or _builds_stub_class(fns[0], classes))
+            and all(_inert(n) for n in tree.body))
+
+
+def _builds_stub_class(fn: ast.FunctionDef, classes: dict) -> bool:
+    """`fn` (after a docstring) only returns `C(its own parameters)`, where C is a class of the cell whose
+    `__init__` raises NotImplementedError first, after at most `super().__init__()` (06's `lora_linear` wraps
+    the student's `LoRALinear`): calling it runs nothing of the student's before that raise."""
+    body = fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
+        else fn.body
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or not isinstance(body[0].value, ast.Call):
+        return False
+    call, params = body[0].value, {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
+    cls = classes.get(call.func.id) if isinstance(call.func, ast.Name) else None
+    if cls is None or not all(isinstance(a, ast.Name) and a.id in params
+                              for a in (*call.args, *(k.value for k in call.keywords))):
+        return False
+    inits = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
+    if len(inits) != 1:
+        return False
+    init = inits[0].body
+    init = init[1:] if init and isinstance(init[0], ast.Expr) and isinstance(init[0].value, ast.Constant) else init
+    if init and ast.dump(init[0]) == ast.dump(ast.parse("super().__init__()").body[0]):
+        init = init[1:]
+    return _raises_not_implemented(init)
