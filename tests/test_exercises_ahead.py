@@ -89,6 +89,40 @@ def test_spawns_is_read_from_the_tests_code_through_helpers_and_lambdas():
     assert spawns(list(cases.values())) and not spawns([])
 
 
+
+def test_the_modules_a_spawn_imports_are_read_too_so_the_process_ahead_preloads_them():
+    """04's shard_model spawns with imports=LLAMA: the process started ahead gives its forkserver Llama's module
+    before its turn (04's whole lab 23-30 s -> 11 s idle, bench/check_speed.py); a tuple that is not module names,
+    or a spawn without `imports=`, adds nothing."""
+    from pathlib import Path
+
+    from labkit.course.exercises.cases import spawn_imports
+    from labkit.course.exercises.grading import plan_for
+
+    text = textwrap.dedent('''
+        from labkit.course.exercises import case
+
+        MODS = ("json", "email.message")
+        WORDS = ("not a module", "x")
+
+        @case("mods")
+        def with_imports(student):
+            student.spawn(print, world=2, returns=[None], imports=MODS)
+
+        @case("words")
+        def words_only(student):
+            student.spawn(print, world=2, returns=[None], args=WORDS)
+
+        @case("none")
+        def no_spawn(student):
+            student.call(MODS, returns=int)
+    ''')
+    cases = {c.exercise: c for c in load_cases_from_text(text, "98_imports.py", hidden=False)}
+    assert [spawn_imports([cases[e]]) for e in ("mods", "words", "none")] == [("json", "email.message"), (), None]
+    plan = plan_for("04_fsdp", Path(__file__).resolve().parent.parent / "notebooks" / "tests")
+    assert spawn_imports(plan.cases("shard_model")) == ("transformers.models.llama.modeling_llama",)
+    assert spawn_imports(plan.cases("zero1_step")) == ()
+
 @pytest.mark.slow
 def test_the_next_process_starts_ahead_each_is_its_own_and_none_outlives_grade_exercises(tmp_path):
     (tmp_path / f"{NB}.py").write_text(TESTS)

@@ -11,6 +11,7 @@ harness functions to the student's side by value. docs/grading.md ("For authors"
 """
 from __future__ import annotations
 
+import re
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,10 +140,17 @@ def _cases(module: types.ModuleType, hidden: bool) -> list[Case]:
 
 
 def spawns(cases: list[Case]) -> bool:
-    """Whether a test of `cases` calls `student.spawn`, read from its code: its own, its lambdas' and that of the
-    functions of its test file it names, at any depth. Only a hint (issue #39): the process of an exercise whose
-    tests spawn starts its ranks' forkserver before its turn; a miss only costs time."""
+    """Whether a test of `cases` calls `student.spawn` (see `spawn_imports`)."""
+    return spawn_imports(cases) is not None
+
+
+def spawn_imports(cases: list[Case]) -> tuple[str, ...] | None:
+    """None when no test of `cases` calls `student.spawn`, read from its code: its own, its lambdas' and that of
+    the functions of its test file it names, at any depth; else the modules such a call names in `imports=`
+    (module-level tuples of module names, e.g. 04's LLAMA). Only a hint (issue #39): the process of an exercise
+    whose tests spawn starts its ranks' forkserver with those imports before its turn; a miss only costs time."""
     seen: set = set()
+    found, imports = False, []
     todo = [(c.fn.__code__, c.fn.__globals__) for c in cases if hasattr(c.fn, "__code__")]
     while todo:
         code, names = todo.pop()
@@ -150,11 +158,20 @@ def spawns(cases: list[Case]) -> bool:
             continue
         seen.add(code)
         if "spawn" in code.co_names:
-            return True
+            found = True
+            if any(isinstance(k, tuple) and "imports" in k for k in code.co_consts):  # spawn(..., imports=NAME)
+                imports += [m for n in code.co_names for m in _module_names(names.get(n)) if m not in imports]
         todo += [(const, names) for const in code.co_consts if isinstance(const, types.CodeType)]
         todo += [(names[n].__code__, names) for n in code.co_names
                  if isinstance(names.get(n), types.FunctionType) and names[n].__globals__ is names]
-    return False
+    return tuple(imports) if found else None
+
+
+def _module_names(value) -> tuple[str, ...]:
+    """`value` when it is a non-empty tuple of dotted module names, else ()."""
+    ok = (isinstance(value, tuple) and value
+          and all(isinstance(v, str) and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", v) for v in value))
+    return value if ok else ()
 
 
 @dataclass(frozen=True)

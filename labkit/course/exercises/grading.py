@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit.course.exercises.cases import Case, CaseResult, load_cases, spawns
+from labkit.course.exercises.cases import Case, CaseResult, load_cases, spawn_imports
 from labkit.course.exercises.judge import Channel, VariantResult, judge
 from labkit.course.exercises.source import exercise_cells, untouched_stub
 from labkit.course.grading.checks import CheckResult
@@ -115,7 +115,8 @@ def _channel_options(cases: list[Case], *, output_bytes: int, **limits) -> dict:
 
     # an answer is output too: --output-mib caps it (refused before it is read); a process whose tests spawn
     # imports torch and starts its ranks' forkserver before it says it is ready
-    return dict(limits, output_bytes=output_bytes, max_message=min(wire.MAX_BYTES, output_bytes), warm=spawns(cases))
+    return dict(limits, output_bytes=output_bytes, max_message=min(wire.MAX_BYTES, output_bytes),
+                warm=spawn_imports(cases))
 
 
 def open_channel(exercise: str, plan: Plan, **limits) -> Channel:

@@ -55,15 +55,17 @@ class Channel:
     """The student's process and the socket to it."""
 
     def __init__(self, *, timeout_s: float, memory_bytes: int, output_bytes: int, isolation=None,
-                 private: tuple = (), kernel: str = "labkit", max_message: int = wire.MAX_BYTES, warm: bool = False):
-        """`warm`: the tests spawn ranks; the process imports torch and starts its forkserver before it is ready."""
+                 private: tuple = (), kernel: str = "labkit", max_message: int = wire.MAX_BYTES,
+                 warm: tuple[str, ...] | None = None):
+        """`warm` (not None): the tests spawn ranks; the process imports torch and starts its forkserver, which
+        also imports the modules `warm` names (the tests' `imports=`), before it is ready."""
         self.timeout_s, self.output_bytes, self.max_message = timeout_s, output_bytes, max_message
         self.reveal = True
         """Name what the student's side controls (its output, exit code, sizes) in a reason: only until a
         hidden test has sent it anything, so no hidden input can come back that way."""
         self._tmp = tempfile.TemporaryDirectory(prefix="labkit-exercise-")
         ours, theirs = socket.socketpair()
-        extra = ["--channel-fd", str(theirs.fileno()), *(["--warm"] if warm else [])]
+        extra = ["--channel-fd", str(theirs.fileno()), *([] if warm is None else ["--warm", ",".join(warm)])]
         try:
             self.launched: Launched = launch(
                 "labkit.course.exercises.server", Path(self._tmp.name), extra=extra,
@@ -234,8 +236,8 @@ class RemoteStudent(Student):
 
 def judge(exercise: str, sources: list[str], cases: list[Case], *, timeout_s: float, memory_bytes: int,
           output_bytes: int, isolation=None, private: tuple = (), kernel: str = "labkit",
-          max_message: int = wire.MAX_BYTES, cache: dict | None = None, warm: bool = False,
-          channel: Channel | None = None) -> list[VariantResult]:
+          max_message: int = wire.MAX_BYTES, cache: dict | None = None,
+          warm: tuple[str, ...] | None = None, channel: Channel | None = None) -> list[VariantResult]:
     """Run `cases` (visible first) on each source variant; one VariantResult per variant, never raises for
     what the student's code does. A lost process's output and exit code are named only while no hidden case
     has sent it anything. `cache`: the references of this run (student.reference), kept for the caller.

@@ -109,7 +109,8 @@ def child_args(argv: list[str], prog: str, fd_option: str):
     parser.add_argument("memory", type=int)
     parser.add_argument("--tasks", type=int, default=0)
     parser.add_argument(fd_option, type=int, required=True, dest="fd")
-    parser.add_argument("--warm", action="store_true", help="import torch and start the ranks' forkserver first")
+    parser.add_argument("--warm", metavar="MODULES", default=None,
+                        help="import torch and start the ranks' forkserver first, with these comma-separated imports")
     args = parser.parse_args(argv)
     os.set_inheritable(args.fd, False)
     for name in ("home", "tmp", "cache", "config", "mpl", "ipython", "runtime"):

@@ -108,10 +108,10 @@ def warm_ranks():
         _stop_forkserver(forkserver)
 
 
-def prewarm() -> None:
-    """Inside `warm_ranks()`, before any student code: start the forkserver (it imports its preloads meanwhile)
-    and import torch here, so that a process started ahead of its turn answers at once (issue #39)."""
-    _start_forkserver(_WARM)
+def prewarm(imports: tuple[str, ...] = ()) -> None:
+    """Inside `warm_ranks()`, before any student code: start the forkserver (it imports its preloads and
+    `imports` meanwhile) and import torch here, so that a process started ahead of its turn answers at once."""
+    _start_forkserver(_WARM, imports)
     import torch  # noqa: F401
 
 
