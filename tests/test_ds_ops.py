@@ -53,3 +53,25 @@ def test_the_wrong_accelerator_is_one_line_naming_the_fix(monkeypatch, capsys):
     assert ds_ops.main() == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "DS_ACCELERATOR=cpu" in err
+
+
+def test_labkit_finds_the_ops_make_lab_built_when_run_outside_make(tmp_path, monkeypatch):
+    """`labkit check` / `labkit train` typed in a terminal (TORCH_EXTENSIONS_DIR unset) load the ops of the
+    checkout's build/torch_extensions instead of compiling them again into ~/.cache (05's check: 124 s -> 13 s);
+    only where `make` built them (the marker), and never over an explicit TORCH_EXTENSIONS_DIR."""
+    import os
+
+    import labkit
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    labkit._use_course_ops(tmp_path)
+    assert "TORCH_EXTENSIONS_DIR" not in os.environ  # no build there: DeepSpeed's own default
+    built = tmp_path / "build" / "torch_extensions"
+    built.mkdir(parents=True)
+    (built / ".labkit-ds-ops").touch()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/somewhere/else")
+    labkit._use_course_ops(tmp_path)
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == "/somewhere/else"
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    labkit._use_course_ops(tmp_path)
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(built)
