@@ -22,7 +22,15 @@ import os
 
 import psutil
 
-from labkit.course.exercises import case
+from labkit.course.exercises import case, reference
+
+
+def _made():
+    """A reference: counted where the test asks (LABKIT_TEST_REFERENCES), so sharing can be seen."""
+    if os.environ.get("LABKIT_TEST_REFERENCES"):
+        with open(os.environ["LABKIT_TEST_REFERENCES"], "a") as f:
+            f.write("made\\n")
+    return 1
 
 
 def _servers():
@@ -39,11 +47,13 @@ def warm_and_one_ahead(student):
     assert _servers() == 2, f"{_servers()} exercise processes while the first one's tests run, expected 2"
     assert student.call(returns=bool), "torch was not imported before the cell of an exercise that spawns"
     assert student.spawn(_ranks, world=2, returns=int) == [0, 10]
+    assert reference(_made) == 1
 
 
 @case("second")
 def alone_and_cold(student):
     assert student.call(returns=bool) is False, "the second exercise's process saw the first's cell, or was warm"
+    assert reference(_made) == 1
 '''
 CELLS = {
     "first": "import builtins\nimport sys\nbuiltins.FIRST_WAS_HERE = True\nWARM = 'torch' in sys.modules\n\n"
@@ -124,14 +134,17 @@ def test_the_modules_a_spawn_imports_are_read_too_so_the_process_ahead_preloads_
     assert spawn_imports(plan.cases("zero1_step")) == ()
 
 @pytest.mark.slow
-def test_the_next_process_starts_ahead_each_is_its_own_and_none_outlives_grade_exercises(tmp_path):
+def test_the_next_process_starts_ahead_each_is_its_own_and_none_outlives_grade_exercises(tmp_path, monkeypatch):
+    """... and the exercises of one notebook share its references (08's recorded trace was made twice)."""
     (tmp_path / f"{NB}.py").write_text(TESTS)
+    monkeypatch.setenv("LABKIT_TEST_REFERENCES", str(tmp_path / "references.txt"))
     before = {p.pid for p in live_children()}
     grades = grade_exercises(_notebook(), NB, plan_for(NB, tmp_path), timeout_s=120)
     assert [(g.exercise, g.status, g.reason) for g in grades] == [("first", "pass", ""), ("second", "pass", "")], \
         [r.message for g in grades for r in g.results]
     left = [command_line(p)[:120] for p in live_children() if p.pid not in before]
     assert not left, f"still running after grade_exercises returned: {left}"
+    assert (tmp_path / "references.txt").read_text() == "made\n", "each exercise computed the reference again"
 
 
 @pytest.mark.slow

@@ -182,6 +182,7 @@ def grade_exercises(nb, notebook: str, plan: Plan, *, timeout_s: float = DEFAULT
     runs = [e for e in plan.exercises if e in cells and not untouched_stub(cells[e], e)]  # those with a process
     started: list[Channel] = []
     grades = []
+    cache: dict = {}  # the references (grader-side, deterministic) shared by the exercises: 08's recorded trace
 
     def start(exercise: str) -> Channel:
         started.append(open_channel(exercise, plan, **limits))
@@ -198,7 +199,7 @@ def grade_exercises(nb, notebook: str, plan: Plan, *, timeout_s: float = DEFAULT
                 following = runs[runs.index(exercise) + 1:]
                 if following:
                     start(following[0])
-                variant = run_variants(exercise, [cells[exercise]], plan, channel=channel, **limits)[0]
+                variant = run_variants(exercise, [cells[exercise]], plan, channel=channel, cache=cache, **limits)[0]
                 grades.append(ExerciseGrade(exercise, *_check_results(exercise, variant, reveal_hidden)))
     finally:
         for channel in started:  # those judged are closed already; one started ahead and never judged is killed
