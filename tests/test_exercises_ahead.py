@@ -1,7 +1,7 @@
 """The next exercise's process started ahead, warm processes, nothing left running (issue #39, item 7).
 
 `grade_exercises` starts exercise k+1's process while exercise k's tests run (one ahead at most), a process
-whose tests spawn imports torch and starts its forkserver before it says it is ready (`cases.spawns` reads
+whose tests spawn imports torch and starts its forkserver before it says it is ready (`cases.spawn_imports` reads
 that from the tests' code), and every process it started is gone when it returns, on Ctrl-C too.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from conftest import command_line, live_children
-from labkit.course.exercises.cases import load_cases_from_text, spawns
+from labkit.course.exercises.cases import load_cases_from_text, spawn_imports
 from labkit.course.exercises.grading import grade_exercises, plan_for
 
 NB = "98_ahead"
@@ -102,8 +102,8 @@ def test_spawns_is_read_from_the_tests_code_through_helpers_and_lambdas():
             trusted_spawn(print, world=2)
     ''')
     cases = {c.exercise: c for c in load_cases_from_text(text, "98_spawns.py", hidden=False)}
-    assert [ex for ex, c in cases.items() if spawns([c])] == ["direct", "helper", "lambda"]
-    assert spawns(list(cases.values())) and not spawns([])
+    assert [ex for ex, c in cases.items() if spawn_imports([c]) is not None] == ["direct", "helper", "lambda"]
+    assert spawn_imports(list(cases.values())) is not None and spawn_imports([]) is None
 
 
 
@@ -113,7 +113,6 @@ def test_the_modules_a_spawn_imports_are_read_too_so_the_process_ahead_preloads_
     or a spawn without `imports=`, adds nothing."""
     from pathlib import Path
 
-    from labkit.course.exercises.cases import spawn_imports
     from labkit.course.exercises.grading import plan_for
 
     text = textwrap.dedent('''

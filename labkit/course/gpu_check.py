@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -113,13 +112,9 @@ def pinned_wheels(lock: str | Path = "requirements/lock.txt") -> list[str]:
 
 def gpu_present() -> bool:
     """Does nvidia-smi list a GPU? Asked without CUDA: this process must never initialise it (G1)."""
-    if shutil.which("nvidia-smi") is None:
-        return False
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return any(line.startswith("GPU ") for line in out.splitlines())
+    from labkit.runtime import cudadriver
+
+    return bool(cudadriver.nvidia_smi())
 
 
 def chosen(only: str | list[str] | None) -> list[Check]:

@@ -139,11 +139,6 @@ def _cases(module: types.ModuleType, hidden: bool) -> list[Case]:
     return cases
 
 
-def spawns(cases: list[Case]) -> bool:
-    """Whether a test of `cases` calls `student.spawn` (see `spawn_imports`)."""
-    return spawn_imports(cases) is not None
-
-
 def spawn_imports(cases: list[Case]) -> tuple[str, ...] | None:
     """None when no test of `cases` calls `student.spawn`, read from its code: its own, its lambdas' and that of
     the functions of its test file it names, at any depth; else the modules such a call names in `imports=`

@@ -150,9 +150,14 @@ def _plain_name(node) -> bool:
     return isinstance(node, ast.Tuple) and all(_plain_name(e) for e in node.elts)
 
 
+def _after_docstring(body: list) -> list:
+    """`body` without its docstring (a leading string constant), if it has one."""
+    return body[1:] if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else body
+
+
 def _raises_not_implemented(body: list) -> bool:
     """The body's first statement after a docstring is `raise NotImplementedError(...)` (the rest never runs)."""
-    body = body[1:] if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else body
+    body = _after_docstring(body)
     if not body or not isinstance(body[0], ast.Raise) or body[0].exc is None:
         return False
     exc = body[0].exc.func if isinstance(body[0].exc, ast.Call) else body[0].exc
@@ -203,8 +208,7 @@ def _builds_stub_class(fn: ast.FunctionDef, classes: dict) -> bool:
     """`fn` (after a docstring) only returns `C(its own parameters)`, where C is a class of the cell whose
     `__init__` raises NotImplementedError first, after at most `super().__init__()` (06's `lora_linear` wraps
     the student's `LoRALinear`): calling it runs nothing of the student's before that raise."""
-    body = fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
-        else fn.body
+    body = _after_docstring(fn.body)
     if len(body) != 1 or not isinstance(body[0], ast.Return) or not isinstance(body[0].value, ast.Call):
         return False
     call, params = body[0].value, {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
@@ -215,8 +219,7 @@ def _builds_stub_class(fn: ast.FunctionDef, classes: dict) -> bool:
     inits = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
     if len(inits) != 1:
         return False
-    init = inits[0].body
-    init = init[1:] if init and isinstance(init[0], ast.Expr) and isinstance(init[0].value, ast.Constant) else init
+    init = _after_docstring(inits[0].body)
     if init and ast.dump(init[0]) == ast.dump(ast.parse("super().__init__()").body[0]):
         init = init[1:]
     return _raises_not_implemented(init)
